@@ -1,0 +1,1 @@
+"""offload's benchmark suite: one script per question, each with --quick and --json PATH."""
