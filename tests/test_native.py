@@ -23,8 +23,8 @@ def test_cpu_features_match_proc_cpuinfo():
     features = cpu_features()
     # /proc/cpuinfo lists what both the CPU and the kernel support, which is what the
     # native check (CPUID + XGETBV) must also conclude.
-    assert features["avx2"] == {"avx2", "fma", "f16c"} <= flags
-    assert features["avx512"] == {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    assert features["avx2"] == ({"avx2", "fma", "f16c"} <= flags)
+    assert features["avx512"] == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
     assert features["neon"] is False
 
 
