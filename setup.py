@@ -8,6 +8,7 @@ dispatched at run time) are simple there and awkward in setuptools.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,20 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+
+
+def _find_ninja() -> str | None:
+    """The ninja binary: on PATH (pip's isolated build env puts the `ninja` wheel's there)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:
+        import ninja  # the wheel's module knows where its binary is
+
+        candidate = Path(getattr(ninja, "BIN_DIR", "") or "") / "ninja"
+        return str(candidate) if candidate.is_file() else None
+    except ImportError:
+        return None
 
 
 class CMakeExtension(Extension):
@@ -42,12 +57,9 @@ class CMakeBuild(build_ext):
             f"-DOFFLOAD_OUTPUT_DIR={ext_path.parent}",
             f"-DOFFLOAD_OUTPUT_NAME={ext_path.name}",
         ]
-        try:
-            import ninja  # noqa: F401  (pip's ninja puts the binary on PATH via its module)
-
-            configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja.BIN_DIR}/ninja")
-        except (ImportError, AttributeError):
-            pass
+        ninja = _find_ninja()
+        if ninja:
+            configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
         subprocess.run(configure, cwd=build_temp, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_temp, check=True)
