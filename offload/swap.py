@@ -1,0 +1,245 @@
+"""Swap files on NVMe: where each shard's bytes sit on disk, and who owns the files.
+
+One rank owns one swap file per tier (`rank{R}.{tier}.swap`) under
+`<nvme_path>/offload-swap/`, preallocated at its full size so a full disk is found at
+`initialize`, not mid-step. Every slot starts at a 4 KiB-aligned offset and spans whole
+4 KiB pages, so each slot moves with one large O_DIRECT request on the fast path.
+
+[Note: stale swap files] A run that crashed leaves its swap files behind. Each rank holds an
+exclusive `flock` on `rank{R}.lock` for as long as its swap directory is open; the kernel
+drops the lock when the process dies however it dies. On open, a lock we can take means any
+swap file there is stale: it is deleted and recreated, never read (its bytes could be a
+half-written step). A lock we cannot take means a live run is using the directory: that is
+an error, since two runs sharing swap files would corrupt each other. In addition, a slot
+that was never written in this run refuses to be read (`SwapFile.check_readable`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+"""O_DIRECT alignment for offsets, lengths and buffer addresses."""
+
+SWAP_SUBDIR = "offload-swap"
+
+
+def align_up(nbytes: int, alignment: int = PAGE_BYTES) -> int:
+    """The smallest multiple of `alignment` that is >= nbytes."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A byte range of a swap file that holds one shard: `nbytes` used of `capacity`."""
+
+    offset: int
+    """Byte offset in the swap file; a multiple of PAGE_BYTES."""
+    nbytes: int
+    """Bytes of payload."""
+    capacity: int
+    """Bytes reserved: nbytes rounded up to whole pages."""
+
+
+def plan_slots(sizes: Sequence[int], alignment: int = PAGE_BYTES) -> tuple[list[Slot], int]:
+    """Lay out shards back to back at aligned offsets; returns the slots and the file size."""
+    slots: list[Slot] = []
+    offset = 0
+    for nbytes in sizes:
+        capacity = align_up(nbytes, alignment)
+        slots.append(Slot(offset=offset, nbytes=nbytes, capacity=capacity))
+        offset += capacity
+    return slots, offset
+
+
+def check_free_space(path: str, needed_bytes: int, what: str) -> None:
+    """Raise OSError(ENOSPC) naming the numbers when `path`'s filesystem cannot hold `needed_bytes`."""
+    free = shutil.disk_usage(path).free
+    if needed_bytes > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space for {what}: it needs {_gib(needed_bytes)} "
+            f"({needed_bytes} bytes) but {path} has {_gib(free)} free; free space there or "
+            f"point nvme_path at a larger disk",
+            path,
+        )
+
+
+def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
+    """Check at the door that `path` is an existing directory we can create files in."""
+    if not path:
+        raise ValueError(f"{key} is not set; point it at a directory on a local NVMe disk")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{key} {path!r} does not exist; create it (mkdir -p) or point {key} at an "
+            f"existing directory on a local NVMe disk",
+            path,
+        )
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"{key} {path!r} is not a directory", path)
+    # Try it for real: root passes permission-bit checks, and os.access cannot see every
+    # reason a create fails (read-only mounts, quotas, ACLs, full inode tables).
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=path)
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno,
+            f"{key} {path!r} is not writable ({errno.errorcode.get(exc.errno, exc.errno)}: "
+            f"{exc.strerror}); point {key} at a directory on a local disk you can write",
+            path,
+        ) from exc
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class SwapDirectory:
+    """One rank's claim on `<nvme_path>/offload-swap/`: the lock, and the swap files in it.
+
+    Open it, create the tier files, `close()` at a clean exit (deletes the files). See
+    [Note: stale swap files] above for what happens to files a crashed run left.
+    """
+
+    def __init__(self, nvme_path: str, rank: int) -> None:
+        check_swap_dir(nvme_path)
+        self.rank = rank
+        self.path = os.path.join(nvme_path, SWAP_SUBDIR)
+        os.makedirs(self.path, exist_ok=True)
+        self._lock_path = os.path.join(self.path, f"rank{rank}.lock")
+        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read_quietly(self._lock_fd)
+            os.close(self._lock_fd)
+            raise RuntimeError(
+                f"swap directory {self.path} (rank {rank}) is in use by another live run "
+                f"({owner or 'owner unknown'}); give each run its own nvme_path"
+            ) from None
+        self._remove_stale_files()
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(
+            self._lock_fd,
+            f"pid={os.getpid()} host={socket.gethostname()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(),
+            0,
+        )
+        self.files: dict[str, "SwapFile"] = {}
+        self.closed = False
+
+    def _remove_stale_files(self) -> None:
+        prefix = f"rank{self.rank}."
+        for name in os.listdir(self.path):
+            if name.startswith(prefix) and name.endswith(".swap"):
+                stale = os.path.join(self.path, name)
+                logger.warning("removing stale swap file %s left by a run that did not exit cleanly", stale)
+                os.unlink(stale)
+
+    def create(self, tier: str, sizes: Sequence[int]) -> "SwapFile":
+        """Create and preallocate the tier's swap file with one slot per size."""
+        if tier in self.files:
+            raise ValueError(f"swap file for tier {tier!r} already exists")
+        slots, total = plan_slots(sizes)
+        path = os.path.join(self.path, f"rank{self.rank}.{tier}.swap")
+        swap = SwapFile(path, slots, total)
+        self.files[tier] = swap
+        return swap
+
+    def close(self) -> None:
+        """Delete this rank's swap files and release the lock (idempotent)."""
+        if self.closed:
+            return
+        for swap in self.files.values():
+            swap.delete()
+        self.files.clear()
+        try:
+            os.unlink(self._lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)  # closing the fd drops the flock
+        self.closed = True
+        try:
+            os.rmdir(self.path)  # only if no other rank's files remain
+        except OSError:
+            pass
+
+    def __enter__(self) -> "SwapDirectory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+def _read_quietly(fd: int) -> str:
+    try:
+        return os.pread(fd, 256, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class SwapFile:
+    """A preallocated file of aligned slots, with a record of which slots hold data."""
+
+    def __init__(self, path: str, slots: list[Slot], total_bytes: int) -> None:
+        self.path = path
+        self.slots = slots
+        self.total_bytes = total_bytes
+        check_free_space(os.path.dirname(path), total_bytes, f"swap file {os.path.basename(path)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if total_bytes:
+                os.posix_fallocate(fd, 0, total_bytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise OSError(
+                exc.errno,
+                f"could not preallocate {_gib(total_bytes)} for swap file {path}: {exc.strerror}; "
+                f"free space on that disk or point nvme_path elsewhere",
+                path,
+            ) from exc
+        os.close(fd)
+        self._written = [False] * len(slots)
+
+    def mark_written(self, index: int) -> None:
+        self._written[index] = True
+
+    def check_readable(self, index: int) -> Slot:
+        """The slot to read; raises if nothing was written there in this run."""
+        if not self._written[index]:
+            raise RuntimeError(
+                f"slot {index} of {self.path} was never written in this run; refusing to read "
+                f"stale or uninitialised bytes"
+            )
+        return self.slots[index]
+
+    def delete(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def swap_bytes_needed(size_lists: Iterable[Sequence[int]]) -> int:
+    """Total bytes the swap files for these per-tier slot sizes will occupy."""
+    return sum(plan_slots(sizes)[1] for sizes in size_lists)

@@ -1,0 +1,142 @@
+"""Swap-file layout, ownership and the checks made at the door (offload/swap.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from offload.swap import (
+    PAGE_BYTES,
+    SWAP_SUBDIR,
+    SwapDirectory,
+    align_up,
+    check_free_space,
+    check_swap_dir,
+    plan_slots,
+    swap_bytes_needed,
+)
+from tests.fsutil import mounted_tmpfs
+
+
+def test_align_up_rounds_to_whole_pages():
+    assert [align_up(n) for n in (0, 1, 4095, 4096, 4097)] == [0, 4096, 4096, 4096, 8192]
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        align_up(-1)
+
+
+def test_plan_slots_places_each_shard_at_an_aligned_offset_back_to_back():
+    slots, total = plan_slots([10, 4096, 5000, 0])
+    assert [s.offset for s in slots] == [0, 4096, 8192, 16384]
+    assert [s.capacity for s in slots] == [4096, 4096, 8192, 0]
+    assert [s.nbytes for s in slots] == [10, 4096, 5000, 0]
+    assert total == 16384
+    assert all(s.offset % PAGE_BYTES == 0 for s in slots)
+    assert swap_bytes_needed([[10], [4097, 1]]) == 4096 + 8192 + 4096
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="does not exist; create it") as e:
+        check_swap_dir(missing)
+    assert e.value.filename == missing
+
+
+def test_nvme_path_that_is_a_file_is_rejected(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        check_swap_dir(str(f))
+
+
+def test_read_only_nvme_path_is_a_clear_error():
+    with mounted_tmpfs("1m", read_only=True) as ro:
+        with pytest.raises(OSError, match="is not writable \\(EROFS") as e:
+            check_swap_dir(ro)
+        assert e.value.errno == errno.EROFS
+        assert e.value.filename == ro
+
+
+def test_disk_too_small_names_the_numbers_before_writing_anything():
+    with mounted_tmpfs("1m") as small:
+        with pytest.raises(OSError, match=r"needs 0\.01 GiB \(8388608 bytes\).*has 0\.00 GiB free") as e:
+            check_free_space(small, 8 << 20, "the optimizer swap file")
+        assert e.value.errno == errno.ENOSPC
+        with SwapDirectory(small, rank=0) as d:
+            with pytest.raises(OSError) as e:
+                d.create("optim", [4 << 20, 4 << 20])
+            assert e.value.errno == errno.ENOSPC
+            assert not [n for n in os.listdir(d.path) if n.endswith(".swap")], "no partial swap file left"
+
+
+def test_swap_files_are_preallocated_and_removed_at_close(tmp_path):
+    d = SwapDirectory(str(tmp_path), rank=3)
+    f = d.create("param", [100, 5000])
+    assert os.path.getsize(f.path) == 4096 + 8192
+    assert os.stat(f.path).st_blocks * 512 >= 4096 + 8192, "space is reserved, not sparse"
+    d.close()
+    assert not os.path.exists(f.path)
+    assert not os.path.exists(os.path.join(tmp_path, SWAP_SUBDIR))
+
+
+def test_unwritten_slot_refuses_to_be_read(tmp_path):
+    with SwapDirectory(str(tmp_path), rank=0) as d:
+        f = d.create("optim", [4096, 4096])
+        with pytest.raises(RuntimeError, match="slot 1 .* was never written in this run"):
+            f.check_readable(1)
+        f.mark_written(1)
+        assert f.check_readable(1).offset == 4096
+
+
+_HOLD = textwrap.dedent(
+    """
+    import os, sys, time
+    from offload.swap import SwapDirectory
+    d = SwapDirectory(sys.argv[1], rank=0)
+    f = d.create("optim", [8192])
+    print("ready", flush=True)
+    if sys.argv[2] == "crash":
+        os._exit(9)          # no cleanup, as after kill -9
+    time.sleep(60)
+    """
+)
+
+
+def _spawn(tmp_path, mode):
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+
+
+def test_stale_swap_files_of_a_crashed_run_are_removed_not_reused(tmp_path):
+    proc = _spawn(tmp_path, "crash")
+    assert proc.stdout.readline().strip() == "ready"
+    proc.wait(timeout=30)
+    stale = os.path.join(tmp_path, SWAP_SUBDIR, "rank0.optim.swap")
+    assert os.path.exists(stale), "the crashed run left its file behind"
+    with open(stale, "r+b") as fh:
+        fh.write(b"garbage from the crashed run")
+    with SwapDirectory(str(tmp_path), rank=0) as d:
+        assert not os.path.exists(stale), "stale file deleted on open"
+        f = d.create("optim", [8192])
+        with open(f.path, "rb") as fh:
+            assert fh.read(28) == bytes(28), "recreated file holds no old bytes"
+
+
+def test_a_live_run_holding_the_directory_is_an_error(tmp_path):
+    proc = _spawn(tmp_path, "hold")
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(RuntimeError, match=r"in use by another live run \(pid=\d+"):
+            SwapDirectory(str(tmp_path), rank=0)
+        SwapDirectory(str(tmp_path), rank=1).close()  # other ranks are unaffected
+    finally:
+        proc.kill()
+        proc.wait()
