@@ -691,7 +691,7 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
     """Whether a mapping is a DeepSpeed config rather than offload's format.
 
     DeepSpeed when it has a key only DeepSpeed uses (zero_optimization, fp16, bf16,
-    train_batch_size, ...) or its optimizer / scheduler section has DeepSpeed's "params";
+    train_batch_size, ...) or its optimizer section has DeepSpeed's "params";
     offload's when it has a key only offload uses (offload, precision, ...); both at once
     is an error. A mapping with only shared keys (gradient_clipping, ...) reads the same
     either way and is taken as offload's. Every config DeepSpeed can run with ZeRO-3 has
@@ -700,9 +700,9 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
     from offload.deepspeed_config import DS_ONLY_TOP_KEYS
 
     ds_keys = [k for k in data if k in DS_ONLY_TOP_KEYS]
-    for section in ("optimizer", "scheduler"):
-        if isinstance(data.get(section), Mapping) and "params" in data[section]:
-            ds_keys.append(f"{section}.params")
+    # Both formats write scheduler as {type, params}; only DeepSpeed nests optimizer params.
+    if isinstance(data.get("optimizer"), Mapping) and "params" in data["optimizer"]:
+        ds_keys.append("optimizer.params")
     ours = [k for k in data if k in _OFFLOAD_ONLY_TOP_KEYS]
     if ds_keys and ours:
         raise ConfigError(str(ours[0]), f"is offload's key but the same config also has DeepSpeed's "
