@@ -27,7 +27,6 @@ import json
 import math
 import os
 import typing
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 
@@ -53,7 +52,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 _KiB = 1 << 10
 _MiB = 1 << 20
-_GiB = 1 << 30
 _IO_ALIGN_BYTES = 4 * _KiB
 """O_DIRECT needs block sizes that are multiples of the logical block size; 4 KiB covers
 every NVMe drive we know of (and is what the native I/O layer aligns to)."""
@@ -77,6 +75,9 @@ class ConfigError(ValueError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{key} {problem}; {fix}")
+
+    def __reduce__(self):  # picklable across processes (torchrun workers, spawn)
+        return type(self), (self.key, self.problem, self.fix)
 
     def retarget(self, key: str) -> "ConfigError":
         """The same error reported under another key (a DeepSpeed key mapped onto ours)."""
@@ -145,7 +146,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     the wrong type is a `ConfigTypeError` naming the key.
     """
     origin = typing.get_origin(hint)
-    if value == "auto" and (hint in (bool, int, float) or origin is tuple):
+    if isinstance(value, str) and value == "auto" and (hint in (bool, int, float) or origin is tuple):
         raise ConfigError(key, "= 'auto', which offload does not resolve",
                           "'auto' is filled in by the Hugging Face Trainer integration before "
                           "DeepSpeed reads the config; replace it with a concrete value")
@@ -634,7 +635,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _yaml_load(text: str) -> Any:
-    import yaml  # a dependency in pyproject; imported only when a YAML file is read
+    import yaml
 
     class _StrictLoader(yaml.SafeLoader):
         pass
@@ -665,17 +666,20 @@ def _read_file(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
             raise ConfigError(path, f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                               "fix the syntax (JSON allows no comments or trailing commas)") from None
     else:
-        import yaml
+        import yaml  # a dependency in pyproject; imported only when a YAML file is read
 
         try:
-            data = json.loads(text, object_pairs_hook=_reject_duplicates)
-        except json.JSONDecodeError:
-            try:
+            if ext in (".yaml", ".yml"):
                 data = _yaml_load(text)
-            except yaml.YAMLError as e:
-                raise ConfigError(path, f"is not valid YAML (nor JSON): {e}",
-                                  "fix the syntax, or give the file a .json / .yaml extension "
-                                  "for a precise error") from None
+            else:
+                try:
+                    data = json.loads(text, object_pairs_hook=_reject_duplicates)
+                except json.JSONDecodeError:
+                    data = _yaml_load(text)  # YAML also reads most JSON-with-comments
+        except yaml.YAMLError as e:
+            raise ConfigError(path, f"is not valid YAML{'' if ext in ('.yaml', '.yml') else ' (nor JSON)'}: "
+                              f"{e}", "fix the syntax (a .json / .yaml extension gives a more "
+                              "precise error)") from None
     if not isinstance(data, Mapping):
         raise ConfigTypeError(path, f"holds a {type(data).__name__} at its top level, not a mapping",
                               "a config file must be one JSON object / YAML mapping")
@@ -693,8 +697,8 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
     DeepSpeed when it has a key only DeepSpeed uses (zero_optimization, fp16, bf16,
     train_batch_size, ...) or its optimizer section has DeepSpeed's "params";
     offload's when it has a key only offload uses (offload, precision, ...); both at once
-    is an error. A mapping with only shared keys (gradient_clipping, ...) reads the same
-    either way and is taken as offload's. Every config DeepSpeed can run with ZeRO-3 has
+    is an error. A mapping with only shared keys (gradient_clipping, optimizer without
+    params, ...) is taken as offload's. Every config DeepSpeed can run with ZeRO-3 has
     zero_optimization, so a real DeepSpeed config is never misread.
     """
     from offload.deepspeed_config import DS_ONLY_TOP_KEYS

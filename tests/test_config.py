@@ -290,3 +290,12 @@ def test_file_whose_top_level_is_not_a_mapping_is_a_type_error(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(TypeError, match="one JSON object / YAML mapping"):
         load_config(path)
+
+
+def test_config_errors_survive_pickling_across_processes():
+    import pickle
+
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(optimizer_tier="nvme")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is ConfigError and str(copy) == str(info.value) and copy.key == "offload.nvme_path"
