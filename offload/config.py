@@ -409,7 +409,8 @@ class PrecisionConfig(_Section):
     loss_scale_window: int = 1000
     """Steps without overflow before the dynamic scale doubles."""
     hysteresis: int = 2
-    """Overflowing steps tolerated before the dynamic scale halves."""
+    """Overflowing steps (since the last decrease) it takes to halve the dynamic scale
+    (DeepSpeed's delayed shift); 1 = halve on every overflow."""
     min_loss_scale: float = 1.0
     """Floor of the dynamic loss scale, > 0."""
 
