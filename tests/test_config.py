@@ -299,3 +299,17 @@ def test_config_errors_survive_pickling_across_processes():
         OffloadConfig(optimizer_tier="nvme")
     copy = pickle.loads(pickle.dumps(info.value))
     assert type(copy) is ConfigError and str(copy) == str(info.value) and copy.key == "offload.nvme_path"
+
+
+def test_skeleton_contract_field_names_are_kept():
+    # The engine codes against these names; new fields may be added, none renamed or removed.
+    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+    assert {"type", "lr", "betas", "eps", "weight_decay", "moments_dtype"} <= names(OptimizerConfig)
+    assert {"type", "params"} <= names(SchedulerConfig)
+    assert {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+            "min_loss_scale"} <= names(PrecisionConfig)
+    assert {"param_tier", "optimizer_tier", "nvme_path", "pin_memory", "pinned_budget_bytes"} <= names(OffloadConfig)
+    assert {"block_size", "queue_depth", "threads"} <= names(AIOConfig)
+    assert {"offload", "optimizer", "scheduler", "precision", "aio", "gradient_clipping",
+            "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "unit_modules",
+            "compute_device", "cpu_adam_threads"} <= names(Config)

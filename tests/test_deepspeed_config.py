@@ -446,3 +446,18 @@ def test_not_a_mapping_is_a_type_error():
         translate_deepspeed(["zero_optimization"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="zero_optimization.offload_param"):
         _translate(_ds(zero={"offload_param": "cpu"}))
+
+
+def test_world_size_comes_from_an_initialised_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "7")  # the process group takes precedence
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+            config = translate_deepspeed(_ds(train_batch_size=8, train_micro_batch_size_per_gpu=2))
+    finally:
+        dist.destroy_process_group()
+    assert config.gradient_accumulation_steps == 4
