@@ -219,6 +219,7 @@ bool Worker::prepare(Piece&& piece, std::vector<struct iocb*>* batch) {
   free_slots_.pop_back();
   Slot& slot = slots_[index];
   slot.piece = std::move(piece);
+  ++in_flight_;  // the slot is taken; finish_slot gives it back
   Piece& p = slot.piece;
   char* io_buf = p.buf;
   if (p.kind == PieceKind::kBounce) {
@@ -244,7 +245,6 @@ bool Worker::prepare(Piece&& piece, std::vector<struct iocb*>* batch) {
   slot.cb.aio_flags = IOCB_FLAG_RESFD;  // the kernel bumps done_fd_ on completion
   slot.cb.aio_resfd = static_cast<uint32_t>(done_fd_);
   batch->push_back(&slot.cb);
-  ++in_flight_;
   return true;
 }
 
@@ -361,6 +361,13 @@ void Worker::wait_for_work(bool eagain) {
   struct pollfd fds[2];
   int n = 0;
   const bool room = static_cast<int>(ready_.size()) + in_flight_ < queue_depth_;
+  if (room) {
+    // Pieces may be waiting in queue_ with their wakeup already consumed (the last round
+    // took only as many as fitted, or skipped and ran buffered pieces without using a
+    // slot): take them now rather than sleep on a signal that will not come again.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!queue_.empty()) return;
+  }
   if (room) fds[n++] = {notify_fd_, POLLIN, 0};
   if (in_flight_ > 0) fds[n++] = {done_fd_, POLLIN, 0};
   if (n == 0 && !eagain) return;  // full and nothing in flight cannot happen; be safe
