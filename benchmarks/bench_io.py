@@ -2,8 +2,8 @@
 
 The question: does offload.io move a multi-GB file between memory and disk as fast as the
 tools people already trust? Each case (block size, queue depth, threads) runs the same
-transfer of the same file with every contender, interleaved (A B C A B C ...), and reports
-medians:
+transfer of the same file with every contender, interleaved (A B C, B C A, C A B ...: the order
+rotates each round), and reports medians:
 
 - offload   AIOHandle(block_size, queue_depth, threads): one pwrite/pread of the whole file.
 - fio       direct=1, ioengine=libaio, rw=write/read, the same file and block size, one job
@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `offload
 import torch
 
 from benchmarks._common import (
+    Samples,
     base_parser,
     interleave,
     machine_info,
@@ -139,6 +140,28 @@ class DeepSpeedPeer:
         return run
 
 
+def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int):
+    """``interleave``, one round at a time, the order rotated each round (A B C, B C A, ...).
+
+    On this kind of virtual disk a transfer slows the one right after it (the host is still
+    flushing or refilling its cache), so a fixed order would always hand the same contender
+    the worst slot.
+    """
+    names = list(contenders)
+    merged = {name: Samples() for name in names}
+    dropped: set[str] = set()
+    for r in range(repeats):
+        k = r % len(names)
+        order = [n for n in names[k:] + names[:k] if n not in dropped]
+        got = interleave({n: contenders[n] for n in order}, 1)
+        for n in order:
+            if got[n].values:
+                merged[n].values.extend(got[n].values)
+            else:
+                dropped.add(n)
+    return merged
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -211,8 +234,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                             contenders["fio"] = fio_contender(path, nbytes, op, bs, qd * threads)
                         if ds is not None:
                             contenders["deepspeed"] = ds.contender(buf, path, op, bs, qd, threads)
-                        samples = interleave(contenders, repeats)
+                        samples = rotated_interleave(contenders, repeats)
                         close()
+                        contenders.clear()  # DeepSpeed's handle (and its threads) go now
                         med = {k: s.median for k, s in samples.items()}
                         peers = [v for k, v in med.items() if k != "offload" and v == v]
                         best_peer = max(peers) if peers else float("nan")
