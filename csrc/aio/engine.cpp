@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -441,6 +442,10 @@ void Engine::split(const std::shared_ptr<Request>& req, const std::shared_ptr<Op
 std::shared_ptr<Request> Engine::submit(IOOp op, void* buf, size_t nbytes,
                                         const std::string& path, int64_t offset) {
   if (offset < 0) throw ValueError("offset must be >= 0, got " + std::to_string(offset));
+  if (nbytes > static_cast<uint64_t>(INT64_MAX - offset)) {
+    throw ValueError("offset + nbytes overflows a file offset (" + std::to_string(offset) +
+                     " + " + std::to_string(nbytes) + ")");
+  }
   {
     std::lock_guard<std::mutex> lock(close_mu_);
     if (closed_) throw ValueError("the AIO handle is closed; create a new one");
