@@ -43,6 +43,7 @@ __all__ = [
     "aligned_empty",
     "align_up",
     "is_fast_path",
+    "probe_direct_io",
     "wait_all",
 ]
 
@@ -380,6 +381,7 @@ class AIOHandle:
                 f"{block_size}; try {max(ALIGNMENT, align_up(block_size))}"
             )
         self._engine = C.AioEngine(block_size, queue_depth, threads, bool(buffered))
+        self._buffered = bool(buffered)
         self._lock = threading.Lock()
         self._outstanding: list[IORequest] = []
         self._prune_at = 64
@@ -455,13 +457,11 @@ class AIOHandle:
             raise TypeError(f"{op}: offset must be an int, got {type(offset).__name__}")
         if offset < 0:
             raise ValueError(f"{op}: offset must be >= 0, got {offset}")
-        nbytes = buf.numel() * buf.element_size()
-        with self._lock:
-            if self._closed:
-                raise ValueError("this AIOHandle is closed; create a new one")
-        native = self._engine.submit(write, buf.data_ptr(), nbytes, path_str, offset)
+        if self._closed:
+            raise ValueError("this AIOHandle is closed; create a new one")
+        native = self._engine.submit(write, buf.data_ptr(), buf.nbytes, path_str, offset)
         req = IORequest(native, buf, op)
-        if not native.direct and not self.buffered and not self._warned:
+        if not self._warned and not self._buffered and not native.direct:
             self._warned = True
             warnings.warn(
                 BufferedIOWarning(
