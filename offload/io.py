@@ -357,6 +357,9 @@ class AIOHandle:
         buffered: never use O_DIRECT (go through the page cache). Files on filesystems that
             refuse O_DIRECT (ramfs, some FUSE and network mounts) get buffered I/O anyway,
             with one ``BufferedIOWarning`` per handle.
+        inject_delay_s: testing aid: every block waits this long on its worker before it is
+            issued, so a test can show that code above reads nothing before waiting (a read
+            not waited for sees the old bytes). 0 in production.
 
     Each request opens its file (writes create it, never truncate it) and closes it when done.
     A request is split into ``block_size`` pieces spread over the workers. Requests from
@@ -370,6 +373,7 @@ class AIOHandle:
         threads: int = 2,
         *,
         buffered: bool = False,
+        inject_delay_s: float = 0.0,
     ) -> None:
         for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
                             ("threads", threads)):
@@ -380,7 +384,11 @@ class AIOHandle:
                 f"block_size must be a positive multiple of {ALIGNMENT} bytes (O_DIRECT), got "
                 f"{block_size}; try {max(ALIGNMENT, align_up(block_size))}"
             )
-        self._engine = C.AioEngine(block_size, queue_depth, threads, bool(buffered))
+        if not 0.0 <= inject_delay_s <= 60.0:
+            raise ValueError(f"inject_delay_s must be in [0, 60] seconds, got {inject_delay_s}")
+        self._engine = C.AioEngine(
+            block_size, queue_depth, threads, bool(buffered), int(inject_delay_s * 1e6)
+        )
         self._buffered = bool(buffered)
         self._lock = threading.Lock()
         self._outstanding: list[IORequest] = []

@@ -346,6 +346,21 @@ def test_wait_times_out_then_completes(tmp_path):
         assert req.done()
 
 
+def test_injected_delay_holds_every_block_until_waited(tmp_path):
+    # The testing aid for the layers above: nothing lands before its delay, all after wait().
+    path = tmp_path / "delayed"
+    data = random_bytes(3 * 4096 + 5, seed=16)
+    path.write_bytes(data.numpy().tobytes())
+    with AIOHandle(block_size=MiB, queue_depth=4, threads=1, inject_delay_s=0.5) as h:
+        out = torch.zeros_like(data)
+        req = h.pread(out, path, offset=0)
+        assert not req.done() and not out.any()  # a read not waited for sees the old bytes
+        req.wait()
+        assert torch.equal(out, data)
+    with pytest.raises(ValueError, match="inject_delay_s"):
+        AIOHandle(inject_delay_s=-1)
+
+
 def test_dropped_request_keeps_its_buffer_alive(tmp_path):
     h = AIOHandle(block_size=4096, queue_depth=2, threads=1)
     h.pwrite(random_bytes(8 * MiB), tmp_path / "dropped")  # neither kept nor waited for

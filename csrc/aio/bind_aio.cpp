@@ -50,8 +50,10 @@ void register_aio(py::module_& m) {
   py::class_<Engine>(m, "AioEngine",
                      "Worker threads, each with its own kernel AIO context, moving byte ranges "
                      "between memory and files (csrc/aio/engine.h).")
-      .def(py::init([](size_t block_size, int queue_depth, int threads, bool buffered) {
+      .def(py::init([](size_t block_size, int queue_depth, int threads, bool buffered,
+                       int64_t inject_delay_us) {
              EngineOptions o;
+             o.inject_delay_us = inject_delay_us;
              o.block_size = block_size;
              o.queue_depth = queue_depth;
              o.threads = threads;
@@ -59,7 +61,7 @@ void register_aio(py::module_& m) {
              return std::make_unique<Engine>(o);
            }),
            py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"),
-           py::arg("buffered") = false)
+           py::arg("buffered") = false, py::arg("inject_delay_us") = 0)
       .def(
           "submit",
           [](Engine& e, bool write, uintptr_t address, size_t nbytes, const std::string& path,

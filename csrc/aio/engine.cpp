@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -115,8 +116,9 @@ void drain_eventfd(int fd) {
 // ------------------------------------------------------------------------------------------
 // Worker
 
-Worker::Worker(size_t block_size, int queue_depth)
-    : block_size_(block_size), queue_depth_(queue_depth), slots_(queue_depth) {
+Worker::Worker(size_t block_size, int queue_depth, int64_t inject_delay_us)
+    : block_size_(block_size), queue_depth_(queue_depth), inject_delay_us_(inject_delay_us),
+      slots_(queue_depth) {
   if (kernel_aio::setup(static_cast<unsigned>(queue_depth), &ctx_) != 0) {
     const int err = errno;
     throw IOError(err, "", "io_setup(" + std::to_string(queue_depth) + ") failed: " +
@@ -191,6 +193,9 @@ void Worker::run() {
     while (!ready_.empty() && !free_slots_.empty()) {
       Piece p = std::move(ready_.front());
       ready_.pop_front();
+      if (inject_delay_us_ > 0) {
+        std::this_thread::sleep_for(std::chrono::microseconds(inject_delay_us_));
+      }
       prepare(std::move(p), &batch);
     }
     const size_t wanted = batch.size();
@@ -398,7 +403,8 @@ Engine::Engine(const EngineOptions& options) : options_(options) {
   }
   workers_.reserve(options.threads);
   for (int i = 0; i < options.threads; ++i) {
-    workers_.push_back(std::make_unique<Worker>(options.block_size, options.queue_depth));
+    workers_.push_back(std::make_unique<Worker>(options.block_size, options.queue_depth,
+                                                options.inject_delay_us));
   }
 }
 

@@ -40,6 +40,9 @@ struct EngineOptions {
   int queue_depth = 32;         // pieces in flight per worker
   int threads = 2;              // workers, each with its own AIO context
   bool buffered = false;        // never use O_DIRECT (page-cache pread/pwrite only)
+  // Testing aid: each piece waits this long on its worker before it is issued, so tests of
+  // the layers above can check that nothing reads a buffer or file before waiting. 0: off.
+  int64_t inject_delay_us = 0;
 };
 
 enum class PieceKind { kDirect, kBounce, kBuffered };
@@ -57,7 +60,7 @@ struct Piece {
 // thread touches its context, slots and bounce buffers.
 class Worker {
  public:
-  Worker(size_t block_size, int queue_depth);  // throws IOError if io_setup fails
+  Worker(size_t block_size, int queue_depth, int64_t inject_delay_us);  // throws IOError
   ~Worker();                                   // finishes every queued piece, then joins
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -83,6 +86,7 @@ class Worker {
 
   const size_t block_size_;
   const int queue_depth_;
+  const int64_t inject_delay_us_;
   aio_context_t ctx_ = 0;
   int notify_fd_ = -1;  // eventfd: new pieces queued, or stop
   int done_fd_ = -1;    // eventfd: signalled by the kernel on each AIO completion
