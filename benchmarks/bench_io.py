@@ -182,7 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     block_sizes = [parse_size(s) for s in (args.block_sizes or ("1M" if args.quick else "1M,4M")).split(",")]
     depths = [int(s) for s in (args.queue_depths or "32").split(",")]
     thread_counts = [int(s) for s in (args.threads or ("2" if args.quick else "1,2")).split(",")]
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or 3
 
     own_dir = args.dir is None
     work_dir = tempfile.mkdtemp(prefix="offload-bench-io-", dir="/tmp") if own_dir else args.dir

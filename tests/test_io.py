@@ -739,6 +739,14 @@ def test_pool_blocks_until_release_and_times_out():
     assert pool.bytes_reserved == 0
 
 
+@pytest.mark.cuda
+def test_pool_buffers_are_pinned_when_cuda_is_up():
+    pool = BufferPool(8 * MiB)
+    assert pool.pin
+    with pool.borrow(3 * MiB + 1) as buf:
+        assert buf.is_pinned() and buf.data_ptr() % ALIGNMENT == 0
+
+
 def test_pool_buffers_feed_the_engine(tmp_path, handle):
     pool = BufferPool(4 * MiB, pin=False)
     with pool.borrow(3 * MiB) as buf:

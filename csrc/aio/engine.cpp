@@ -179,8 +179,8 @@ void Worker::run() {
     bool queue_empty;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      // Take no more than can be in flight: pieces left in queue_ stay visible to nobody else,
-      // but keeping ready_ short keeps each request's pieces in submission order.
+      // Take only what can go in flight now; the rest waits in queue_, in order, and
+      // wait_for_work comes straight back while any is left and there is room.
       while (!queue_.empty() && static_cast<int>(ready_.size()) + in_flight_ < queue_depth_) {
         ready_.push_back(std::move(queue_.front()));
         queue_.pop_front();
