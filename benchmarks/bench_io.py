@@ -204,20 +204,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, why in peers_note.items():
         print(f"  [{name}] dropped: {why}")
 
-    # One buffer for every contender (4 GB is a lot to hold twice): DeepSpeed's page-locked
-    # allocation when it is here, so it takes its no-bounce path, provided it is page-aligned
-    # (our fast path); else our own.
-    buf = None
-    if ds is not None:
-        buf = ds.locked_buffer(nbytes)
-        if buf.data_ptr() % ALIGNMENT:
-            buf = None
-    if buf is None:
-        buf = aligned_empty(nbytes, pin=False)
-    buf.copy_(torch.randint(0, 256, (min(nbytes, 64 << 20),), dtype=torch.uint8).repeat(
-        -(-nbytes // (64 << 20)))[:nbytes])
+    # Each engine moves its own kind of buffer, as its users would: ours from aligned_empty
+    # (page-aligned, on transparent huge pages), DeepSpeed's from its page-locked allocator
+    # (its no-bounce path); fio uses its own. The same bytes go into both.
+    pattern = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+
+    def filled(buf: torch.Tensor) -> torch.Tensor:
+        for at in range(0, nbytes, pattern.numel()):
+            n = min(pattern.numel(), nbytes - at)
+            buf[at : at + n].copy_(pattern[:n])
+        return buf
+
+    buf = filled(aligned_empty(nbytes, pin=False))
+    ds_buf = filled(ds.locked_buffer(nbytes)) if ds is not None else None
 
     rows: list[dict[str, Any]] = []
+    all_samples: list[dict[str, Any]] = []  # every measurement, GB/s, in run order
     try:
         # Write the whole file once, so reads read real data and writes overwrite.
         with AIOHandle(block_size=1 << 20, queue_depth=32, threads=2) as h:
@@ -233,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         if fio_ok:
                             contenders["fio"] = fio_contender(path, nbytes, op, bs, qd * threads)
                         if ds is not None:
-                            contenders["deepspeed"] = ds.contender(buf, path, op, bs, qd, threads)
+                            contenders["deepspeed"] = ds.contender(ds_buf, path, op, bs, qd, threads)
                         samples = rotated_interleave(contenders, repeats)
                         close()
                         contenders.clear()  # DeepSpeed's handle (and its threads) go now
@@ -241,6 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         peers = [v for k, v in med.items() if k != "offload" and v == v]
                         best_peer = max(peers) if peers else float("nan")
                         row = {
+                            "case": f"{size_label(bs)}/qd{qd}/t{threads}",
                             "op": op, "block": size_label(bs), "qd": qd, "threads": threads,
                             "offload GB/s": med["offload"],
                             "fio GB/s": med.get("fio"),
@@ -248,8 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "vs fio": ratio(med["offload"], med.get("fio", float("nan"))),
                             "vs best peer": ratio(med["offload"], best_peer),
                         }
-                        row["samples"] = {k: s.values for k, s in samples.items()}
                         rows.append(row)
+                        all_samples.append({"case": row["case"], "op": op,
+                                            **{k: s.values for k, s in samples.items()}})
                         print(f"  {op:5s} bs={size_label(bs)} qd={qd} threads={threads}: " +
                               ", ".join(f"{k} {v:.2f}" for k, v in med.items() if v == v) +
                               " GB/s", flush=True)
@@ -275,8 +279,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                        "ratio": ratio(ours, peer)}
         print(f"best setting, {op}: offload {ours:.2f} GB/s vs best peer {peer:.2f} GB/s "
               f"-> {ratio(ours, peer):.2f}x")
-    write_json(args.json, {"machine": info, "rows": rows, "summary": summary,
-                           "dropped": peers_note, "repeats": repeats})
+    write_json(args.json, {
+        "machine": info, "rows": rows, "summary": summary, "samples": all_samples,
+        "dropped": peers_note, "repeats": repeats,
+        "plot": {"x": "case", "y": "vs best peer", "group": "op",
+                 "title": "offload / best peer, median sequential GB/s (1.0 = parity)"},
+    })
     return 0
 
 

@@ -126,6 +126,32 @@ def test_aligned_empty_is_page_aligned_cpu_and_sized(nbytes, dtype):
     t.fill_(1)  # the memory is really there
 
 
+def _vm_flags(address: int) -> list[str]:
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+def test_large_aligned_empty_asks_for_huge_pages():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are disabled here ([never])")
+    big = aligned_empty(16 * MiB, pin=False)
+    assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE applied to its mapping
+    big.fill_(1)
+
+
 def test_aligned_empty_rejects_bad_sizes():
     with pytest.raises(ValueError, match="multiple of"):
         aligned_empty(6, dtype=torch.float32)

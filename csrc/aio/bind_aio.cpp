@@ -9,6 +9,7 @@
 #include <string>
 
 #include "aio/engine.h"
+#include "aio/host_memory.h"
 #include "common/register.h"
 
 namespace py = pybind11;
@@ -17,6 +18,9 @@ namespace offload {
 
 void register_aio(py::module_& m) {
   m.attr("AIO_ALIGNMENT") = kDirectAlignment;
+  m.def("advise_huge_pages", &advise_huge_pages, py::arg("address"), py::arg("nbytes"),
+        "madvise(MADV_HUGEPAGE) the whole pages of [address, address+nbytes) before first "
+        "touch; False if the kernel declines (csrc/aio/host_memory.h).");
 
   py::class_<Request, std::shared_ptr<Request>>(
       m, "AioRequest",
