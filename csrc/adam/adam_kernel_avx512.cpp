@@ -70,32 +70,40 @@ struct Scalars16 {
 
 // [Note: operation order] on 16 lanes.
 template <DType G, DType M, DType O, bool L2>
-inline void step16(const AdamBuffers& b, const Scalars16& s, size_t i) {
-  __m512 g = _mm512_mul_ps(load16<G>(b.grad, i), s.grad_scale);
-  __m512 p = _mm512_loadu_ps(b.master + i);
+inline void step16(float* p_base, const void* g_base, void* m_base, void* v_base, void* out_base,
+                  const Scalars16& s, size_t i) {
+  __m512 g = _mm512_mul_ps(load16<G>(g_base, i), s.grad_scale);
+  __m512 p = _mm512_loadu_ps(p_base + i);
   if constexpr (L2) g = _mm512_fmadd_ps(p, s.l2, g);
   p = _mm512_mul_ps(p, s.decay);
-  __m512 m = load16<M>(b.exp_avg, i);
-  __m512 v = load16<M>(b.exp_avg_sq, i);
+  __m512 m = load16<M>(m_base, i);
+  __m512 v = load16<M>(v_base, i);
   m = _mm512_fmadd_ps(s.one_minus_beta1, _mm512_sub_ps(g, m), m);
   v = _mm512_fmadd_ps(_mm512_mul_ps(s.one_minus_beta2, g), g, _mm512_mul_ps(v, s.beta2));
   const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), s.inv_bc2_sqrt, s.eps);
   p = _mm512_fmadd_ps(s.neg_step_size, _mm512_div_ps(m, d), p);
-  _mm512_storeu_ps(b.master + i, p);
-  store16<M>(b.exp_avg, i, m);
-  store16<M>(b.exp_avg_sq, i, v);
-  if constexpr (O != DType::kNone) store16<O>(b.out, i, p);
+  _mm512_storeu_ps(p_base + i, p);
+  store16<M>(m_base, i, m);
+  store16<M>(v_base, i, v);
+  if constexpr (O != DType::kNone) store16<O>(out_base, i, p);
 }
 
 template <DType G, DType M, DType O, bool L2>
 void avx512_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_t end) {
   const Scalars16 s16(s);
+  // The pointers in locals: read through `b` they would be reloaded after every store
+  // (a float store may alias the struct, as far as the compiler can tell).
+  float* const p = b.master;
+  const void* const g = b.grad;
+  void* const m = b.exp_avg;
+  void* const v = b.exp_avg_sq;
+  void* const out = b.out;
   size_t i = begin;
   for (; i + 32 <= end; i += 32) {
-    step16<G, M, O, L2>(b, s16, i);
-    step16<G, M, O, L2>(b, s16, i + 16);
+    step16<G, M, O, L2>(p, g, m, v, out, s16, i);
+    step16<G, M, O, L2>(p, g, m, v, out, s16, i + 16);
   }
-  for (; i + 16 <= end; i += 16) step16<G, M, O, L2>(b, s16, i);
+  for (; i + 16 <= end; i += 16) step16<G, M, O, L2>(p, g, m, v, out, s16, i);
   for (; i < end; ++i) adam_math::adam_element<G, M, O, L2>(b, s, i);
 }
 
