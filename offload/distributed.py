@@ -21,6 +21,11 @@ import torch.distributed as dist
 # start the group ourselves with the `env://` rendezvous.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same
+# arguments) and deprecated the old names; older torch has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class ProcessGroupInfo:
@@ -85,7 +90,7 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInf
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return
-    dist.all_gather_into_tensor(full, shard, group=pg.group)
+    _ALL_GATHER(full, shard, group=pg.group)
 
 
 def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, pg: ProcessGroupInfo) -> None:
@@ -93,7 +98,7 @@ def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, pg: ProcessGrou
     if pg.world_size == 1:
         shard.copy_(full)
         return
-    dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG, group=pg.group)
+    _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG, group=pg.group)
 
 
 def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:

@@ -35,7 +35,10 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # No qkv bias: the key bias has an exactly-zero gradient (softmax is invariant to it),
+        # so its "gradient" is rounding noise that Adam normalises into lr-sized steps, and
+        # two correct implementations would disagree on it by O(lr) every step.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
@@ -48,6 +51,15 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class SmallEmbedding(nn.Embedding):
+    """GPT-2's embedding init (normal, std 0.02) as reset_parameters, so `offload.init`
+    replays it; torch's N(0, 1) with a tied head gives logits so large that training is
+    chaotic and any two runs drift apart."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
 
 
 class TinyGPT(nn.Module):
@@ -65,8 +77,8 @@ class TinyGPT(nn.Module):
         checkpoint: str = "",
     ) -> None:
         super().__init__()
-        self.wte = nn.Embedding(vocab, d_model)
-        self.wpe = nn.Embedding(seq, d_model)
+        self.wte = SmallEmbedding(vocab, d_model)
+        self.wpe = SmallEmbedding(seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
