@@ -198,7 +198,7 @@ class Engine:
     # -- construction ----------------------------------------------------------------------
 
     def _build_units(self, plans: list[UnitPlan], group_of: dict[int, int]) -> None:
-        from offload.init import materialize_values  # meta-built models (offload.init)
+        from offload.materialize import materialize_values  # meta-built models (offload.init)
 
         self.units: list[FlatUnit] = []
         self.states: list[UnitOptimizerState] = []
