@@ -280,14 +280,18 @@ class FlatUnit:
         rank the collective runs regardless: every rank must take part."""
         params = self.params
         have = [p.grad is not None for p in params]
-        if self.pg.world_size == 1:
-            if not accumulate:
-                grad_shard.zero_()
+        if self.pg.world_size == 1 and grad_shard.device == self.device:
+            # One pass per gradient straight into the shard (compute on the CPU): copy on a
+            # step's first micro-batch, add on later ones. Alignment gaps are never written
+            # and stay zero from allocation.
             for p, s, h in zip(params, self.layout.slots, have):
+                dst = grad_shard[s.offset : s.end]
                 if h:
-                    dst = grad_shard[s.offset : s.end]
-                    dst.add_(p.grad.reshape(-1).to(device=dst.device, dtype=dst.dtype))
+                    src = p.grad.reshape(-1)
+                    dst.add_(src) if accumulate else dst.copy_(src)
                     p.grad = None
+                elif not accumulate:
+                    dst.zero_()
             return have
         # Gradients are reduced in fp32 whatever the compute dtype: averaging bf16 partial
         # sums across ranks would round each one to 8 bits of mantissa.

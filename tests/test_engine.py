@@ -545,3 +545,60 @@ def test_cuda_matches_plain_adamw(dtype, param_tier):
     else:
         ref = reference_train("gpt", "bf16", clip=0.05)
         assert trajectory_error(sd, ref, initial_state("gpt")) < 0.05
+
+
+# -- loss scaling (DeepSpeed's DynamicLossScaler semantics) ------------------------------------
+
+
+def test_dynamic_loss_scale_hysteresis_and_window():
+    from offload.loss_scaler import LossScaler
+
+    s = LossScaler.from_precision(PrecisionConfig(dtype="fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2))
+    assert s.dynamic and s.scale == 16.0
+    s.update(True)  # first overflow is absorbed by hysteresis
+    assert s.scale == 16.0
+    s.update(True)  # second halves
+    assert s.scale == 8.0
+    s.update(True)  # hysteresis stays spent until the scale grows again
+    assert s.scale == 4.0
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 4.0
+    s.update(False)  # 3 good steps since the last overflow
+    assert s.scale == 8.0
+    s.update(True)  # hysteresis refilled when the scale grew
+    assert s.scale == 8.0
+    st = s.state_dict()
+    t = LossScaler.from_precision(PrecisionConfig(dtype="fp16"))
+    t.load_state_dict(st)
+    assert t.state_dict() == st
+
+
+def test_loss_scale_floor_static_and_off():
+    from offload.loss_scaler import LossScaler
+
+    s = LossScaler.from_precision(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1.0))
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 1.0
+    static = LossScaler.from_precision(PrecisionConfig(dtype="fp16", loss_scale=128.0))
+    static.update(True)
+    assert not static.dynamic and static.scale == 128.0
+    assert LossScaler.from_precision(PrecisionConfig(dtype="bf16")).scale == 1.0
+
+
+def test_fp16_overflow_with_hysteresis_skips_without_halving():
+    cfg = make_config(dtype="fp16", hysteresis=2)
+    sd, info = engine_train("gpt", cfg, overflow_at=(3,))
+    assert info["skipped"] == 1 and info["loss_scale"] == 2.0**10
+    ref = reference_train("gpt", "fp16", scales=lambda s: 2.0**10, skip=(3,))
+    assert trajectory_error(sd, ref, initial_state("gpt")) < 0.03
+
+
+def test_no_grad_forward_equals_the_plain_model():
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    engine = offload.initialize(copy.deepcopy(plain), make_config())
+    x, _ = gpt_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
