@@ -122,7 +122,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, outdir: str, init_group: bool, fn: Callable, args: tuple
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -131,7 +133,8 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
     except BaseException:
@@ -142,20 +145,31 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, init_group: bool = True, timeout_s: float = 300
+) -> list[Any]:
     """Run fn(rank, world_size, *args) in `world_size` real processes (gloo over TCP on a
     free port); return each rank's result, or raise with the failing rank's traceback.
-    `fn` must be importable (defined at a test module's top level)."""
+    The workers see torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+    with `init_group=False` they do not start the process group themselves, so the code
+    under test must. `fn` must be importable (defined at a test module's top level)."""
+    import time
+
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _worker, args=(world_size, free_port(), outdir, init_group, fn, args),
+            nprocs=world_size, join=False, start_method="spawn",
         )
+        deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=timeout_s):
-                pass
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:  # ours: started just above
+                        if proc.is_alive():
+                            proc.terminate()
+                    raise TimeoutError(f"{fn.__name__} did not finish within {timeout_s} s")
         except Exception as exc:
             errors = []
             for r in range(world_size):

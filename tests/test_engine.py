@@ -440,6 +440,9 @@ def test_offload_init_names_parameters_nothing_initializes():
 
 
 def _ws2_init_and_load(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the engine starts the group from torchrun's env
     cfg = make_config(dtype="bf16")
     torch.manual_seed(0)
     with offload.init(cfg):
@@ -452,11 +455,13 @@ def _ws2_init_and_load(rank: int, world_size: int):
         engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
         engine.step()
     engine.load_full_state_dict(sd0)
-    return built, engine.full_state_dict(), engine.memory_bytes()
+    out = built, engine.full_state_dict(), engine.memory_bytes()
+    assert engine.world_size == 2 and dist.get_backend() == "gloo"
+    return out
 
 
 def test_offload_init_and_load_world_size_2():
-    (built, loaded, mem0), (empty, _, mem1) = run_distributed(_ws2_init_and_load, 2)
+    (built, loaded, mem0), (empty, _, mem1) = run_distributed(_ws2_init_and_load, 2, init_group=False)
     plain = initial_state("gpt")
     assert empty == {}
     for k in plain:
