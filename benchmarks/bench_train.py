@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

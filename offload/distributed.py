@@ -114,7 +114,8 @@ def all_reduce_max_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
 
 
 def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> torch.device:
-    """Where tensors must live for this group's collectives (NCCL: the GPU; gloo: the CPU)."""
-    if pg.backend == "nccl":
+    """Where tensors must live for this group's collectives (NCCL: the GPU; gloo: the CPU;
+    no group at world size 1: the compute device, where the "collective" is a local copy)."""
+    if pg.world_size == 1 or pg.backend == "nccl":
         return compute_device
     return torch.device("cpu")

@@ -149,14 +149,17 @@ class Engine:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = config
         self.module = model
-        self.device = _resolve_device(config.compute_device)
+        device_type = _resolve_device(config.compute_device).type
         self.dtype = _DTYPES[config.precision.dtype]
         if config.offload.optimizer_tier != "cpu":
             raise NotImplementedError(
                 f"offload.optimizer_tier={config.offload.optimizer_tier!r} is not available "
                 "yet (the NVMe tier is the next milestone); use optimizer_tier='cpu'"
             )
-        self.pg = _dist.setup_process_group(self.device.type)
+        # The group first: starting it from torchrun's env selects this rank's GPU
+        # (LOCAL_RANK), which the compute device must then be.
+        self.pg = _dist.setup_process_group(device_type)
+        self.device = _resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
         self.param_tier = make_param_tier(
             config.offload.param_tier, self.device, config.offload.pin_memory
@@ -236,7 +239,11 @@ class Engine:
             state = UnitOptimizerState(
                 unit=unit,
                 master=master,
-                grad=torch.zeros(shard_numel if trainable else 0, dtype=torch.float32),
+                # pinned on a GPU run: the reduce-scattered shard comes down by DMA
+                grad=torch.zeros(
+                    shard_numel if trainable else 0, dtype=torch.float32,
+                    pin_memory=self.device.type == "cuda",
+                ),
                 exp_avg=torch.zeros(n_opt, dtype=mdtype),
                 exp_avg_sq=torch.zeros(n_opt, dtype=mdtype),
                 slot_steps=[0] * len(layout.slots),
@@ -491,6 +498,9 @@ class Engine:
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
+        # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
+        # step's gathers read from: those copies must have landed first.
+        self._sync_device()
         self._sync_has_grad()
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         overflow = False
@@ -526,6 +536,10 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad()
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _sync_has_grad(self) -> None:
         """Agree across ranks on which parameters got a gradient this step (a parameter
@@ -616,6 +630,7 @@ class Engine:
         """Load consolidated weights (as `full_state_dict` returns) into the shards. Every
         rank passes the full dict (e.g. each `torch.load`s it); each keeps its own slice.
         Optimizer moments are left as they are."""
+        self._sync_device()  # see _optimizer_step: host shards are about to be rewritten
         keys = [k for k, _ in self._sd_index]
         if strict:
             missing = [k for k in keys if k not in state_dict]

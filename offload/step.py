@@ -100,7 +100,6 @@ class ShardedAdam(torch.optim.Optimizer):
             return
         adam = self._adam()
         for st in self.unit_states:
-            unit = st.unit
             if st.optimized_numel == 0 and not _any_optimized(st.layout):
                 continue
             active = [
@@ -158,6 +157,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 wait(self.param_tier.store(unit.key, st.master))
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
             wait(self.param_tier.store(unit.key, lowp))
+            if lowp.is_pinned() and shard is not None and shard.device.type == "cuda":
+                # The staging buffer is reused by the next unit: its asynchronous upload
+                # must have finished reading it. (Double-buffering is the scheduler's job.)
+                torch.cuda.current_stream(shard.device).synchronize()
         # A unit that stays gathered (world size 1, aliased) already sees the new values;
         # any other is re-gathered from the updated shard before its next use.
 

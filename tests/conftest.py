@@ -17,7 +17,6 @@ def pytest_collection_modifyitems(config, items):
 
 # -- a tiny GPT ------------------------------------------------------------------------------
 
-import math
 import os
 import socket
 import tempfile
