@@ -21,6 +21,7 @@ import os
 import socket
 import tempfile
 import traceback
+import warnings
 from typing import Any, Callable
 
 import torch.nn.functional as F
@@ -135,13 +136,19 @@ def _worker(
         if init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
+        _save_atomic({"ok": True, "result": result}, outdir, rank)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        _save_atomic({"ok": False, "error": traceback.format_exc()}, outdir, rank)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save_atomic(obj: Any, outdir: str, rank: int) -> None:
+    tmp = os.path.join(outdir, f"{rank}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, os.path.join(outdir, f"{rank}.pt"))
 
 
 def run_distributed(
@@ -170,14 +177,20 @@ def run_distributed(
                             proc.terminate()
                     raise TimeoutError(f"{fn.__name__} did not finish within {timeout_s} s")
         except Exception as exc:
-            errors = []
+            errors, done = [], 0
             for r in range(world_size):
                 path = os.path.join(outdir, f"{r}.pt")
                 if os.path.exists(path):
                     res = torch.load(path, weights_only=False)
                     if not res["ok"]:
                         errors.append(f"rank {r}:\n{res['error']}")
-            raise RuntimeError("\n".join(errors) or str(exc)) from None
+                    else:
+                        done += 1
+            if errors or done < world_size or isinstance(exc, TimeoutError):
+                raise RuntimeError("\n".join(errors) or str(exc)) from None
+            # Every rank returned its result and then a process died in teardown (gloo's
+            # threads at exit): the results stand, the crash is reported.
+            warnings.warn(f"a worker crashed after returning its result: {exc}")
         results = []
         for r in range(world_size):
             res = torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
