@@ -607,3 +607,50 @@ def test_no_grad_forward_equals_the_plain_model():
     x, _ = gpt_batches(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+
+
+# -- a real torchrun launch ------------------------------------------------------------------
+
+_TORCHRUN_SCRIPT = """
+import sys, torch, offload
+from offload.config import Config, OptimizerConfig
+from tests.conftest import TinyGPT, gpt_batches
+torch.manual_seed(0)
+engine = offload.initialize(TinyGPT(), Config(compute_device="cpu", optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.01)))
+r, n = engine.rank, engine.world_size
+for x, y in gpt_batches(5):
+    b = x.shape[0] // n
+    engine.backward(engine(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]))
+    engine.step()
+sd = engine.full_state_dict()
+if r == 0:
+    torch.save(sd, sys.argv[1])
+engine.close()
+"""
+
+
+def test_torchrun_launch_trains_like_plain_adamw(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "sd.pt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(script), str(out)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sd = torch.load(out)
+    torch.manual_seed(0)
+    ref_model = TinyGPT()
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for x, y in gpt_batches(5):
+        ref_model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_fp32_close(sd, ref_model.state_dict())
