@@ -36,7 +36,7 @@ from offload import distributed as _dist
 from offload.config import Config
 from offload.loss_scaler import LossScaler
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
-from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype
+from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
 from offload.tiers import make_param_tier
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
 
@@ -174,7 +174,7 @@ class Engine:
         self._hooks: list[Any] = []
 
         plans = plan_units(model, config.unit_modules)
-        groups, group_of, decoupled = _param_groups(model, config, optimizer)
+        groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
         self._build_units(plans, group_of)
         self._swap_buffers()
         self._index_state_dict()
@@ -193,6 +193,7 @@ class Engine:
             decoupled_weight_decay=decoupled,
             rank=self.rank,
             param_tier=self.param_tier,
+            threads=config.cpu_adam_threads,
         )
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._tracks = [_Track() for _ in self.units]
@@ -696,67 +697,6 @@ class Engine:
         self._hooks.clear()
         if self.pg.started_here and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _param_groups(
-    model: nn.Module, config: Config, optimizer: Any
-) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
-    """(hyperparameters per group, param id -> group index, decoupled weight decay)."""
-    oc = config.optimizer
-    base = {
-        "lr": oc.lr,
-        "betas": tuple(oc.betas),
-        "eps": oc.eps,
-        "weight_decay": oc.weight_decay,
-    }
-    decoupled = oc.type == "AdamW"
-    all_params = [p for p in model.parameters()]
-    if optimizer is None:
-        return [base], {id(p): 0 for p in all_params}, decoupled
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if isinstance(optimizer, torch.optim.AdamW):
-            decoupled = True
-        elif isinstance(optimizer, torch.optim.Adam):
-            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-        else:
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__}: the engine runs Adam/AdamW on the CPU; "
-                "pass a torch.optim.Adam/AdamW, param groups, or a dict of hyperparameters"
-            )
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise NotImplementedError("amsgrad / maximize are not supported by the CPU Adam")
-        specs = optimizer.param_groups
-    elif isinstance(optimizer, Mapping):
-        unknown = set(optimizer) - set(base)
-        if unknown:
-            raise ValueError(
-                f"optimizer hyperparameters {sorted(unknown)} are not known; allowed: {sorted(base)}"
-            )
-        g = {**base, **optimizer}
-        g["betas"] = tuple(g["betas"])
-        return [g], {id(p): 0 for p in all_params}, decoupled
-    else:
-        specs = list(optimizer)
-    known = {id(p) for p in all_params}
-    groups, group_of = [], {}
-    for gi, spec in enumerate(specs):
-        if not isinstance(spec, Mapping) or "params" not in spec:
-            raise TypeError("each optimizer param group must be a dict with a 'params' list")
-        hp = {k: v for k, v in spec.items() if k in base}
-        g = {**base, **hp}
-        g["betas"] = tuple(g["betas"])
-        for p in spec["params"]:
-            if id(p) not in known:
-                raise ValueError(
-                    f"optimizer param group {gi} lists a tensor of shape {tuple(p.shape)} that "
-                    "is not a parameter of the model"
-                )
-            if id(p) in group_of:
-                raise ValueError(f"a parameter appears in more than one group (group {gi})")
-            group_of[id(p)] = gi
-        groups.append(g)
-    return groups, group_of, decoupled
 
 
 def _module_by_name(model: nn.Module, name: str) -> nn.Module:

@@ -15,10 +15,12 @@ not advance), as torch skips parameters whose `.grad` is None.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
+from torch import nn
 
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
 from offload.tiers import Tier, wait
@@ -73,6 +75,7 @@ class ShardedAdam(torch.optim.Optimizer):
         decoupled_weight_decay: bool,
         rank: int,
         param_tier: Tier,
+        threads: int = 0,
         adam_fn: Optional[Callable[..., None]] = None,
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
@@ -82,6 +85,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.rank = rank
         self.param_tier = param_tier
         self._adam_fn = adam_fn
+        self._threads = int(threads)
         self._staging: Optional[torch.Tensor] = None
 
     def _adam(self) -> Callable[..., None]:
@@ -90,7 +94,15 @@ class ShardedAdam(torch.optim.Optimizer):
         # Looked up at call time: the native kernel replaces the reference when it is bound.
         from offload.optim import functional
 
-        return functional.adam_step_flat
+        fn = functional.adam_step_flat
+        if self._threads > 0 and "threads" in inspect.signature(fn).parameters:
+            threads = self._threads  # config.cpu_adam_threads, where the kernel takes it
+
+            def with_threads(*args: Any, **kwargs: Any) -> None:
+                fn(*args, threads=threads, **kwargs)
+
+            return with_threads
+        return fn
 
     @torch.no_grad()
     def step(self, closure: Any = None, *, grad_scale: Optional[float] = 1.0) -> None:  # type: ignore[override]
@@ -232,3 +244,65 @@ def moments_dtype(name: str) -> torch.dtype:
         raise ValueError(
             f"optimizer.moments_dtype={name!r}; allowed: {sorted(_MOMENT_DTYPES)}"
         ) from None
+
+
+def resolve_param_groups(
+    model: nn.Module, oc: Any, optimizer: Any
+) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
+    """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
+    (hyperparameters per group, id(param) -> group index, decoupled weight decay).
+    See `offload.initialize` for the accepted forms."""
+    base = {
+        "lr": oc.lr,
+        "betas": tuple(oc.betas),
+        "eps": oc.eps,
+        "weight_decay": oc.weight_decay,
+    }
+    decoupled = oc.type == "AdamW"
+    all_params = [p for p in model.parameters()]
+    if optimizer is None:
+        return [base], {id(p): 0 for p in all_params}, decoupled
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.AdamW):
+            decoupled = True
+        elif isinstance(optimizer, torch.optim.Adam):
+            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+        else:
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__}: the engine runs Adam/AdamW on the CPU; "
+                "pass a torch.optim.Adam/AdamW, param groups, or a dict of hyperparameters"
+            )
+        for g in optimizer.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise NotImplementedError("amsgrad / maximize are not supported by the CPU Adam")
+        specs = optimizer.param_groups
+    elif isinstance(optimizer, Mapping):
+        unknown = set(optimizer) - set(base)
+        if unknown:
+            raise ValueError(
+                f"optimizer hyperparameters {sorted(unknown)} are not known; allowed: {sorted(base)}"
+            )
+        g = {**base, **optimizer}
+        g["betas"] = tuple(g["betas"])
+        return [g], {id(p): 0 for p in all_params}, decoupled
+    else:
+        specs = list(optimizer)
+    known = {id(p) for p in all_params}
+    groups, group_of = [], {}
+    for gi, spec in enumerate(specs):
+        if not isinstance(spec, Mapping) or "params" not in spec:
+            raise TypeError("each optimizer param group must be a dict with a 'params' list")
+        hp = {k: v for k, v in spec.items() if k in base}
+        g = {**base, **hp}
+        g["betas"] = tuple(g["betas"])
+        for p in spec["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"optimizer param group {gi} lists a tensor of shape {tuple(p.shape)} that "
+                    "is not a parameter of the model"
+                )
+            if id(p) in group_of:
+                raise ValueError(f"a parameter appears in more than one group (group {gi})")
+            group_of[id(p)] = gi
+        groups.append(g)
+    return groups, group_of, decoupled
