@@ -456,6 +456,14 @@ class Engine:
         self.units[ROOT].free()
         self._in_backward = False
 
+    def _abort_backward(self) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+            unit.free()
+        self._tracks = [_Track() for _ in self.units]
+        self._in_backward = False
+
     def _cast_inputs(self, args: Any, kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         changed = False
@@ -482,7 +490,14 @@ class Engine:
             raise ValueError("engine.backward expects a scalar loss tensor")
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale
-        loss.backward(retain_graph=retain_graph)
+        try:
+            loss.backward(retain_graph=retain_graph)
+        except BaseException:
+            # A backward that died half-way must not leave units looking "in backward" (the
+            # next forward would keep them gathered): drop its partial state, keep the
+            # gradients of earlier micro-batches.
+            self._abort_backward()
+            raise
         self._finish_backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:

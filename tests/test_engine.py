@@ -654,3 +654,18 @@ def test_torchrun_launch_trains_like_plain_adamw(tmp_path):
         opt.step()
         opt.zero_grad()
     assert_fp32_close(sd, ref_model.state_dict())
+
+
+def test_a_failed_backward_leaves_the_engine_usable():
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), make_config())
+    x, y = gpt_batches(1)[0]
+    loss = engine(x, y)
+    engine.backward(loss, retain_graph=False)
+    with pytest.raises(RuntimeError):
+        engine.backward(loss)  # the graph is gone: autograd raises
+    assert not engine._in_backward
+    engine.optimizer.zero_grad()
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 1
