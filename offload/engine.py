@@ -37,7 +37,7 @@ from offload.config import Config
 from offload.loss_scaler import LossScaler
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
 from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
-from offload.tiers import make_param_tier
+from offload.tiers import make_param_tier, wait
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
 
 __all__ = ["Engine", "initialize"]
@@ -292,7 +292,7 @@ class Engine:
         shard = self.param_tier.view(unit.key)
         if shard is not None and shard.data_ptr() == st.master.data_ptr():
             return
-        self.param_tier.store(unit.key, st.master.to(self.dtype))
+        wait(self.param_tier.store(unit.key, st.master.to(self.dtype)))
         if unit.aliased:
             return
         if unit.state is UnitState.GATHERED:
@@ -693,10 +693,13 @@ class Engine:
         for st in self.states:
             for t in (st.master, st.grad, st.exp_avg, st.exp_avg_sq):
                 add("host", t)
+        bucket = {"host": "host", "device": "device", "nvme": "nvme"}[self.param_tier.kind]
         for unit in self.units:
             shard = self.param_tier.view(unit.key)
             if shard is not None:
-                add("host" if self.param_tier.kind == "host" else "device", shard)
+                add(bucket, shard)
+            else:  # not addressable (NVMe): count its size in the tier's bucket
+                out[bucket] += unit.layout.shard_numel * unit.full.element_size()
             add("device", unit.full)
         for b in self.module.buffers():
             add("device", b)
@@ -711,6 +714,9 @@ class Engine:
             h.remove()
         self._hooks.clear()
         if self.pg.started_here and dist.is_initialized():
+            # Every rank leaves together: gloo aborts a process whose peer tears its
+            # connections down while it is still tearing down its own.
+            dist.barrier()
             dist.destroy_process_group()
 
 

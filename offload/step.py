@@ -121,6 +121,11 @@ class ShardedAdam(torch.optim.Optimizer):
             new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
             runs = update_runs(st.layout, self.rank, active, new_steps)
             lowp = self._lowp_target(st)
+            if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
+                # A staging buffer is stored whole: what the runs do not write (frozen or
+                # gradient-less parameters, gaps, padding) must hold the shard's current
+                # values, which are always the master rounded to the compute dtype.
+                _fill_outside_runs(lowp, st.master, runs)
             for run in runs:
                 g = self.param_groups[run.group]
                 beta1, beta2 = g["betas"]
@@ -231,6 +236,21 @@ def _publish_master(opt: ShardedAdam, st: UnitOptimizerState) -> None:
     if shard is not None and shard.data_ptr() == st.master.data_ptr():
         return
     wait(opt.param_tier.store(unit.key, st.master.to(unit.dtype)))
+
+
+def _is_shard(tier: Tier, st: UnitOptimizerState, t: torch.Tensor) -> bool:
+    shard = tier.view(st.unit.key)
+    return shard is not None and shard.data_ptr() == t.data_ptr()
+
+
+def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Any) -> None:
+    pos = 0
+    for run in list(runs) + [None]:
+        end = lowp.numel() if run is None else run.start
+        if end > pos:
+            lowp[pos:end].copy_(master[pos:end])
+        if run is not None:
+            pos = run.end
 
 
 def _any_optimized(layout: UnitLayout) -> bool:

@@ -142,7 +142,10 @@ def _worker(
         raise
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()  # leave together (see Engine.close)
+            finally:
+                dist.destroy_process_group()
 
 
 def _save_atomic(obj: Any, outdir: str, rank: int) -> None:
