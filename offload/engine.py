@@ -379,9 +379,11 @@ class Engine:
             args, kwargs = self._cast_inputs(args, kwargs)
         unit.gather()
         track = self._tracks[unit.index]
-        if self._in_backward and track.in_backward:
-            # Activation-checkpoint recomputation inside this unit's backward
-            # (non-reentrant): the original forward's triggers still stand.
+        if self._in_backward and (track.in_backward or track.n_forward > 0):
+            # Activation-checkpoint recomputation (non-reentrant): the original forward's
+            # trigger still stands and will fire; the recomputed graph is never
+            # back-propagated, so a trigger on it would never fire. (Re-entrant
+            # recomputation finds n_forward == 0: its original forward ran without grad.)
             return args, kwargs
         if torch.is_grad_enabled() and unit.index != ROOT:
             track.pending = True

@@ -85,12 +85,21 @@ class TinyGPT(nn.Module):
         if tie:
             self.lm_head.weight = self.wte.weight
         self.checkpoint = checkpoint
-        """'' (none), 'reentrant' or 'nonreentrant': torch.utils.checkpoint each block."""
+        """'' (none), 'reentrant' or 'nonreentrant': torch.utils.checkpoint each block;
+        'span': one non-reentrant checkpoint around all blocks."""
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return x
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-        for blk in self.blocks:
+        if self.checkpoint == "span":
+            # one non-reentrant region over all blocks: recomputation re-enters every unit
+            x = torch.utils.checkpoint.checkpoint(self._blocks, x, use_reentrant=False)
+        for blk in self.blocks if self.checkpoint != "span" else ():
             if self.checkpoint:
                 x = torch.utils.checkpoint.checkpoint(
                     blk, x, use_reentrant=self.checkpoint == "reentrant"

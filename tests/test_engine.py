@@ -98,6 +98,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gpt": lambda: TinyGPT(),
     "gpt_reentrant": lambda: TinyGPT(checkpoint="reentrant"),
     "gpt_nonreentrant": lambda: TinyGPT(checkpoint="nonreentrant"),
+    "gpt_span": lambda: TinyGPT(checkpoint="span"),
     "edge": EdgeModel,
 }
 
@@ -236,6 +237,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "gpt_fp32_clip_gas": dict(model="gpt", cfg=dict(gas=2, clip=0.05)),
     "gpt_reentrant": dict(model="gpt_reentrant", cfg=dict(gas=2)),
     "gpt_nonreentrant": dict(model="gpt_nonreentrant", cfg=dict(clip=0.05)),
+    "gpt_span": dict(model="gpt_span", cfg=dict(gas=2)),
     "edge_fp32": dict(model="edge", cfg=dict(gas=2, clip=0.05)),
     "gpt_bf16": dict(model="gpt", cfg=dict(dtype="bf16", gas=2, clip=0.05)),
     "gpt_fp16_overflow": dict(model="gpt", cfg=dict(dtype="fp16", clip=0.05), overflow_at=(5,)),
@@ -609,6 +611,30 @@ def test_no_grad_forward_equals_the_plain_model():
     x, _ = gpt_batches(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=0)
+
+
+def test_checkpoint_spanning_units_frees_each_during_backward(monkeypatch):
+    # One non-reentrant region over both blocks: each block must still be reduced and
+    # freed by its own trigger during backward, not held until the end of backward.
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(checkpoint="span"), make_config())
+    events = []
+    real_reduce, real_finish = engine._reduce, engine._finish_backward
+
+    def spy_reduce(unit):
+        events.append(unit.name)
+        real_reduce(unit)
+
+    def spy_finish():
+        events.append("<end of backward>")
+        real_finish()
+
+    monkeypatch.setattr(engine, "_reduce", spy_reduce)
+    monkeypatch.setattr(engine, "_finish_backward", spy_finish)
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    end = events.index("<end of backward>")
+    assert events[:end] == ["blocks.1", "blocks.0"], events
 
 
 # -- a real torchrun launch ------------------------------------------------------------------
