@@ -268,9 +268,11 @@ class Engine:
             for rec, p in zip(self._records[ui], unit.params):
                 for owner, attr in rec.owners:
                     owner._parameters[attr] = p
-            if unit.aliased:
-                continue
-            unit.free()
+            if not unit.aliased:
+                unit.free()
+        # The model's original parameters are now referenced by nothing of ours: their
+        # memory goes back as soon as the caller drops its own references.
+        del self._records
 
     def _write_master_slot(self, ui: int, si: int, value: torch.Tensor) -> None:
         layout = self.units[ui].layout

@@ -757,3 +757,16 @@ def test_bf16_moments_follow_the_fp32_trajectory():
     engine.close()
     sd, _ = engine_train("gpt", cfg)
     assert trajectory_error(sd, reference_train("gpt"), initial_state("gpt")) < 0.03
+
+
+def test_original_parameters_are_released():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    originals = [weakref.ref(p) for p in model.parameters()]
+    engine = offload.initialize(model, make_config(dtype="bf16"))
+    gc.collect()
+    assert all(r() is None for r in originals)  # only the shards hold the weights now
+    assert engine.global_steps == 0
