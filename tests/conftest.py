@@ -13,3 +13,198 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+# -- a tiny GPT ------------------------------------------------------------------------------
+
+import os
+import socket
+import tempfile
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention + MLP."""
+
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d_model)
+        # No qkv bias: the key bias has an exactly-zero gradient (softmax is invariant to it),
+        # so its "gradient" is rounding noise that Adam normalises into lr-sized steps, and
+        # two correct implementations would disagree on it by O(lr) every step.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class SmallEmbedding(nn.Embedding):
+    """GPT-2's embedding init (normal, std 0.02) as reset_parameters, so `offload.init`
+    replays it; torch's N(0, 1) with a tied head gives logits so large that training is
+    chaotic and any two runs drift apart."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class TinyGPT(nn.Module):
+    """Embedding + blocks in a ModuleList + final norm + LM head tied to the embedding.
+    forward(idx, targets=None) returns logits, or the mean cross-entropy with targets."""
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        d_model: int = 32,
+        n_layer: int = 2,
+        n_head: int = 2,
+        seq: int = 16,
+        tie: bool = True,
+        checkpoint: str = "",
+    ) -> None:
+        super().__init__()
+        self.wte = SmallEmbedding(vocab, d_model)
+        self.wpe = SmallEmbedding(seq, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+        self.checkpoint = checkpoint
+        """'' (none), 'reentrant' or 'nonreentrant': torch.utils.checkpoint each block;
+        'span': one non-reentrant checkpoint around all blocks."""
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        if self.checkpoint == "span":
+            # one non-reentrant region over all blocks: recomputation re-enters every unit
+            x = torch.utils.checkpoint.checkpoint(self._blocks, x, use_reentrant=False)
+        for blk in self.blocks if self.checkpoint != "span" else ():
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(
+                    blk, x, use_reentrant=self.checkpoint == "reentrant"
+                )
+            else:
+                x = blk(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def gpt_batches(n: int, batch: int = 8, seq: int = 16, vocab: int = 64, seed: int = 1234):
+    """n (idx, targets) batches of random tokens, the same for every caller with a seed."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    return out
+
+
+# -- a multi-process launcher ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, outdir: str, init_group: bool, fn: Callable, args: tuple
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    try:
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        _save_atomic({"ok": True, "result": result}, outdir, rank)
+    except BaseException:
+        _save_atomic({"ok": False, "error": traceback.format_exc()}, outdir, rank)
+        raise
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier()  # leave together (see Engine.close)
+            finally:
+                dist.destroy_process_group()
+
+
+def _save_atomic(obj: Any, outdir: str, rank: int) -> None:
+    tmp = os.path.join(outdir, f"{rank}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, os.path.join(outdir, f"{rank}.pt"))
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, init_group: bool = True, timeout_s: float = 300
+) -> list[Any]:
+    """Run fn(rank, world_size, *args) in `world_size` real processes (gloo over TCP on a
+    free port); return each rank's result, or raise with the failing rank's traceback.
+    The workers see torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
+    with `init_group=False` they do not start the process group themselves, so the code
+    under test must. `fn` must be importable (defined at a test module's top level)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _worker, args=(world_size, free_port(), outdir, init_group, fn, args),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:  # ours: started just above
+                        if proc.is_alive():
+                            proc.terminate()
+                    raise TimeoutError(f"{fn.__name__} did not finish within {timeout_s} s")
+        except Exception as exc:
+            errors, done = [], 0
+            for r in range(world_size):
+                path = os.path.join(outdir, f"{r}.pt")
+                if os.path.exists(path):
+                    res = torch.load(path, weights_only=False)
+                    if not res["ok"]:
+                        errors.append(f"rank {r}:\n{res['error']}")
+                    else:
+                        done += 1
+            if errors or done < world_size or isinstance(exc, TimeoutError):
+                raise RuntimeError("\n".join(errors) or str(exc)) from None
+            # Every rank returned its result and then a process died in teardown (gloo's
+            # threads at exit): the results stand, the crash is reported.
+            warnings.warn(f"a worker crashed after returning its result: {exc}")
+        results = []
+        for r in range(world_size):
+            res = torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
+            results.append(res["result"])
+        return results

@@ -1,0 +1,253 @@
+"""How fast is the CPU Adam step, against the memory-bandwidth limit and its peers?
+
+Contenders, interleaved per case (size x threads), all updating the same fp32 buffers so
+that memory use stays at one set of states:
+  roofline          C loop with exactly Adam's traffic (read p, g, m, v; write p, m, v)
+  triad             STREAM triad a = b + s*c (12 B per element), the machine's bandwidth
+  ours fp32         adam_step_flat, fp32 grads and moments
+  ours bf16 g+out   bf16 gradients in, bf16 copy of the parameters out, same pass
+  ours bf16 moments fp32 grads, bf16 exp_avg / exp_avg_sq
+  ours bf16 all     bf16 gradients, moments and output (the engine's mixed-precision case)
+  torch foreach     torch.optim.AdamW(foreach=True)
+  torch fused       torch.optim.AdamW(fused=True)
+  DeepSpeedCPUAdam  deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode), when it builds here
+
+Effective GB/s counts the bytes the update must move per parameter, reads plus writes,
+not what an implementation happens to move: fp32 states 28 B (read p, g, m, v 16 B;
+write p, m, v 12 B); bf16 grads + bf16 out 28 B (g is 2 B, the extra output 2 B); bf16
+moments 20 B; bf16 grads, moments and output 20 B. Torch and DeepSpeed count as fp32.
+
+    python benchmarks/bench_adam.py --quick           # 10M and 50M params, < 1 minute
+    python benchmarks/bench_adam.py --json out.json   # 10M..500M, 1..N threads
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `offload` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import (
+    base_parser,
+    interleave,
+    machine_info,
+    print_machine,
+    print_table,
+    ratio,
+    timed,
+    write_json,
+)
+from offload._native import C
+from offload.optim import adam_isa, adam_step_flat
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+# Bytes per parameter each contender must move (see the module docstring).
+BYTES = {
+    "roofline": 28,
+    "triad": 12,
+    "ours fp32": 28,
+    "ours bf16 g+out": 28,
+    "ours bf16 moments": 20,
+    "ours bf16 all": 20,
+    "torch foreach": 28,
+    "torch fused": 28,
+    "DeepSpeedCPUAdam": 28,
+}
+
+
+def _load_deepspeed() -> tuple[Optional[type], str]:
+    """DeepSpeedCPUAdam, or None and the reason it cannot run here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU: let DeepSpeed pick its CPU path
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        probe = torch.nn.Parameter(torch.zeros(64))
+        probe.grad = torch.zeros(64)
+        DeepSpeedCPUAdam([probe], lr=LR).step()  # JIT-builds the op on first use
+        return DeepSpeedCPUAdam, ""
+    except Exception as exc:  # any failure (missing, build error) drops the peer
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+class Buffers:
+    """One set of states, shared by every contender of a size (memory is the constraint)."""
+
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        # Filled, not just allocated: the first touch of each page must happen here,
+        # outside any timed region.
+        self.p = torch.randn(n, generator=gen)
+        self.g = torch.randn(n, generator=gen) * 1e-3
+        self.m = torch.zeros(n)
+        self.v = torch.full((n,), 1e-6)
+        self.g_bf16 = self.g.to(torch.bfloat16)
+        self.m_bf16 = self.m.to(torch.bfloat16)
+        self.v_bf16 = self.v.to(torch.bfloat16)
+        self.out_bf16 = torch.zeros(n, dtype=torch.bfloat16)
+        self.triad_a = torch.zeros(n)
+        self.step = 0
+
+    @staticmethod
+    def bytes_needed(n: int) -> int:
+        return n * (4 * 5 + 2 * 4)
+
+
+def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type]) -> dict[str, Callable[[], float]]:
+    n = buf.p.numel()
+    param = torch.nn.Parameter(buf.p, requires_grad=True)
+    param.grad = buf.g
+
+    def ours(grad, m, v, out=None):
+        def run() -> float:
+            buf.step += 1
+            return timed(
+                lambda: adam_step_flat(
+                    buf.p, grad, m, v, step=buf.step, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                    eps=EPS, weight_decay=WD, out_lowp=out, threads=threads,
+                )
+            )
+
+        return run
+
+    def torch_opt(**kw):
+        opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+        # Share our moment buffers instead of allocating a second set.
+        opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": buf.m, "exp_avg_sq": buf.v}
+        return lambda: timed(opt.step)
+
+    contenders: dict[str, Callable[[], float]] = {
+        "roofline": lambda: timed(
+            lambda: C.roofline_adam(buf.p.data_ptr(), buf.g.data_ptr(), buf.m.data_ptr(),
+                                    buf.v.data_ptr(), n, threads)
+        ),
+        "triad": lambda: timed(
+            lambda: C.roofline_triad(buf.triad_a.data_ptr(), buf.p.data_ptr(), buf.g.data_ptr(),
+                                     0.5, n, threads)
+        ),
+        "ours fp32": ours(buf.g, buf.m, buf.v),
+        "ours bf16 g+out": ours(buf.g_bf16, buf.m, buf.v, buf.out_bf16),
+        "ours bf16 moments": ours(buf.g, buf.m_bf16, buf.v_bf16),
+        "ours bf16 all": ours(buf.g_bf16, buf.m_bf16, buf.v_bf16, buf.out_bf16),
+        "torch foreach": torch_opt(foreach=True),
+        "torch fused": torch_opt(fused=True),
+    }
+    if ds_cls is not None:
+        ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+        ds.state[param] = {"step": 0, "exp_avg": buf.m, "exp_avg_sq": buf.v}
+        contenders["DeepSpeedCPUAdam"] = lambda: timed(ds.step)
+    return contenders
+
+
+def settle(fn: Callable[[], float]) -> Callable[[], float]:
+    # torch's OpenMP workers spin for a while after a parallel region; let them park so
+    # they do not steal cores from the next contender's timed run.
+    def run() -> float:
+        time.sleep(0.01)
+        return fn()
+
+    return run
+
+
+def thread_counts(max_threads: int, quick: bool) -> list[int]:
+    counts = sorted({1, max_threads} | {t for t in (2, 4, 8, 16, 32, 64) if t < max_threads})
+    return counts if not quick else sorted({1, max_threads})
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=float, nargs="*", help="parameter counts in millions")
+    p.add_argument("--threads", type=int, nargs="*", help="thread counts (default 1..N)")
+    args = p.parse_args()
+
+    info = machine_info()
+    info["adam_isa"] = adam_isa()
+    print_machine(info)
+    max_threads = len(os.sched_getaffinity(0))
+    sizes_m = args.sizes or ([10, 50] if args.quick else [10, 50, 100, 200, 500])
+    threads_list = args.threads or thread_counts(max_threads, args.quick)
+    repeats = args.repeats or (3 if args.quick else 5)
+    ds_cls, ds_reason = _load_deepspeed()
+    if ds_cls is None:
+        print(f"  [DeepSpeedCPUAdam] dropped: {ds_reason}")
+
+    rows = []
+    for size_m in sizes_m:
+        n = int(size_m * 1e6)
+        avail = _mem_available_bytes()
+        if avail is not None and Buffers.bytes_needed(n) > 0.8 * avail:
+            print(f"  [{size_m:g}M params] skipped: needs {Buffers.bytes_needed(n) / 2**30:.1f} GiB, "
+                  f"{avail / 2**30:.1f} GiB available")
+            continue
+        buf = Buffers(n)
+        for threads in threads_list:
+            torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP pools
+            contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls).items()}
+            for fn in contenders.values():
+                fn()  # warm-up: thread pools started, code and TLB warm
+            samples = interleave(contenders, repeats)
+            med = {k: s.median for k, s in samples.items() if s.values}
+            per_s = {k: n / t for k, t in med.items()}
+            for name, t in med.items():
+                rows.append(
+                    {
+                        "params_M": size_m,
+                        "threads": threads,
+                        "contender": name,
+                        "B/param": BYTES[name],
+                        "ms": t * 1e3,
+                        "Mparam/s": per_s[name] / 1e6,
+                        "GB/s": per_s[name] * BYTES[name] / 1e9,
+                        "vs roofline": ratio(per_s[name], per_s.get("roofline", float("nan"))),
+                        "vs DeepSpeed": ratio(per_s[name], per_s.get("DeepSpeedCPUAdam", float("nan"))),
+                        "vs torch fused": ratio(per_s[name], per_s.get("torch fused", float("nan"))),
+                    }
+                )
+        del buf
+    torch.set_num_threads(max_threads)
+
+    print_table(rows)
+    targets = _check_targets(rows, max(threads_list))
+    for line in targets:
+        print(line)
+    write_json(args.json, {"machine": info, "rows": rows, "targets": targets,
+                           "deepspeed_dropped": ds_reason or None})
+
+
+def _check_targets(rows: list[dict], threads: int) -> list[str]:
+    """The issue's targets, per size, at the largest thread count (same run)."""
+    out = []
+    for size in sorted({r["params_M"] for r in rows}):
+        get = {r["contender"]: r for r in rows if r["params_M"] == size and r["threads"] == threads}
+        if "ours fp32" not in get:
+            continue
+        fp32 = get["ours fp32"]
+        checks = [f"fp32 {fp32['vs roofline']:.3f} of roofline (target >= 0.95)"]
+        if "DeepSpeedCPUAdam" in get:
+            checks.append(f"fp32 {fp32['vs DeepSpeed']:.3f}x DeepSpeed (>= 1.0)")
+            checks.append(f"bf16 moments {get['ours bf16 moments']['vs DeepSpeed']:.3f}x DeepSpeed (>= 1.4)")
+        cost = get["ours bf16 g+out"]["ms"] / fp32["ms"] - 1
+        checks.append(f"bf16 grads+out cost {cost * 100:+.1f} % over fp32 (<= +10 %)")
+        out.append(f"targets @ {size:g}M params, {threads} threads: " + "; ".join(checks))
+    return out
+
+
+def _mem_available_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+if __name__ == "__main__":
+    main()

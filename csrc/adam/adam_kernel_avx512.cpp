@@ -1,0 +1,130 @@
+// The AVX-512 (F/BW/VL/DQ) kernel: 16 fp32 lanes, two vectors per iteration. Compiled
+// with the AVX-512 flags (CMakeLists.txt) and called only when cpu_features().avx512 is
+// set. Same operations as adam_math.h ([Note: operation order]): equal to the scalar
+// kernel bit for bit; the tail (< 32 elements) runs adam_math's element function.
+#include "adam/kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include "adam/adam_math.h"
+#include "adam/roofline_impl.h"
+
+namespace offload {
+namespace {
+
+template <DType D>
+inline __m512 load16(const void* base, size_t i) {
+  if constexpr (D == DType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  } else if constexpr (D == DType::kBF16) {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// fp32 -> bf16, round to nearest even; NaN -> 0x7FC0 (adam_math::f32_to_bf16).
+inline __m256i to_bf16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);  // truncating narrow; values fit in 16 bits
+}
+
+template <DType D>
+inline void store16(void* base, size_t i, __m512 f) {
+  if constexpr (D == DType::kF32) {
+    _mm512_storeu_ps(static_cast<float*>(base) + i, f);
+  } else if constexpr (D == DType::kBF16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
+                        to_bf16(f));
+  } else if constexpr (D == DType::kF16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
+                        _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+struct Scalars16 {
+  __m512 grad_scale, l2, decay, one_minus_beta1, beta2, one_minus_beta2, neg_step_size,
+      inv_bc2_sqrt, eps;
+  explicit Scalars16(const AdamScalars& s)
+      : grad_scale(_mm512_set1_ps(s.grad_scale)),
+        l2(_mm512_set1_ps(s.l2)),
+        decay(_mm512_set1_ps(s.decay)),
+        one_minus_beta1(_mm512_set1_ps(s.one_minus_beta1)),
+        beta2(_mm512_set1_ps(s.beta2)),
+        one_minus_beta2(_mm512_set1_ps(s.one_minus_beta2)),
+        neg_step_size(_mm512_set1_ps(s.neg_step_size)),
+        inv_bc2_sqrt(_mm512_set1_ps(s.inv_bc2_sqrt)),
+        eps(_mm512_set1_ps(s.eps)) {}
+};
+
+// [Note: operation order] on 16 lanes.
+template <DType G, DType M, DType O, bool L2>
+inline void step16(float* p_base, const void* g_base, void* m_base, void* v_base, void* out_base,
+                  const Scalars16& s, size_t i) {
+  __m512 g = _mm512_mul_ps(load16<G>(g_base, i), s.grad_scale);
+  __m512 p = _mm512_loadu_ps(p_base + i);
+  if constexpr (L2) g = _mm512_fmadd_ps(p, s.l2, g);
+  p = _mm512_mul_ps(p, s.decay);
+  __m512 m = load16<M>(m_base, i);
+  __m512 v = load16<M>(v_base, i);
+  m = _mm512_fmadd_ps(s.one_minus_beta1, _mm512_sub_ps(g, m), m);
+  v = _mm512_fmadd_ps(_mm512_mul_ps(s.one_minus_beta2, g), g, _mm512_mul_ps(v, s.beta2));
+  const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), s.inv_bc2_sqrt, s.eps);
+  p = _mm512_fmadd_ps(s.neg_step_size, _mm512_div_ps(m, d), p);
+  _mm512_storeu_ps(p_base + i, p);
+  store16<M>(m_base, i, m);
+  store16<M>(v_base, i, v);
+  if constexpr (O != DType::kNone) store16<O>(out_base, i, p);
+}
+
+template <DType G, DType M, DType O, bool L2>
+void avx512_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_t end) {
+  const Scalars16 s16(s);
+  // The pointers in locals: read through `b` they would be reloaded after every store
+  // (a float store may alias the struct, as far as the compiler can tell).
+  float* const p = b.master;
+  const void* const g = b.grad;
+  void* const m = b.exp_avg;
+  void* const v = b.exp_avg_sq;
+  void* const out = b.out;
+  size_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    step16<G, M, O, L2>(p, g, m, v, out, s16, i);
+    step16<G, M, O, L2>(p, g, m, v, out, s16, i + 16);
+  }
+  for (; i + 16 <= end; i += 16) step16<G, M, O, L2>(p, g, m, v, out, s16, i);
+  for (; i < end; ++i) adam_math::adam_element<G, M, O, L2>(b, s, i);
+}
+
+OFFLOAD_ADAM_SELECTOR(select_avx512, avx512_kernel)
+
+}  // namespace
+
+KernelSet avx512_kernels() {
+  KernelSet k;
+  k.select = &select_avx512;
+  k.roofline_adam = &roofline_impl::adam_traffic;
+  k.roofline_triad = &roofline_impl::triad;
+  return k;
+}
+
+}  // namespace offload
+
+#else  // not x86-64
+
+namespace offload {
+KernelSet avx512_kernels() { return {}; }
+}  // namespace offload
+
+#endif

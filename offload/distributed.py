@@ -1,0 +1,121 @@
+"""Process-group setup and the few collectives the engine uses.
+
+The engine talks to other ranks through exactly four operations: all-gather of a unit's
+shards, reduce-scatter (average) of a unit's gradients, all-reduce of a few scalars (grad
+norm, overflow flag) and broadcast-free full-state gathers. Everything goes through
+`ProcessGroupInfo` so that world size 1 runs with no process group and no collectives at
+all: a single plain `python train.py` needs no launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# torchrun (and `torch.distributed.launch`) export these; with all of them present we can
+# start the group ourselves with the `env://` rendezvous.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same
+# arguments) and deprecated the old names; older torch has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class ProcessGroupInfo:
+    """Which rank we are, how many there are, and the group collectives run on.
+
+    `group` is None when the world size is 1 and no process group exists; every collective
+    below is then a local no-op (or a copy), so the engine never branches on it.
+    """
+
+    rank: int
+    world_size: int
+    group: Optional[dist.ProcessGroup]
+    backend: Optional[str]
+    started_here: bool
+    """True when `setup_process_group` created the group (and so may destroy it)."""
+
+
+def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessGroupInfo:
+    """Use the existing default group, or start one from torchrun's environment, or none.
+
+    gloo when the compute device is the CPU, NCCL on CUDA. With no default group and no
+    torchrun environment this is world size 1 with no group at all.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            group=dist.group.WORLD,
+            backend=str(dist.get_backend()),
+            started_here=False,
+        )
+    present = [k for k in _TORCHRUN_ENV if k in os.environ]
+    if not present:
+        return ProcessGroupInfo(rank=0, world_size=1, group=None, backend=None, started_here=False)
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"torch.distributed environment is incomplete: {present} are set but {missing} are "
+            "not; launch with torchrun, or set all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+        )
+    if not dist.is_available():
+        raise RuntimeError("WORLD_SIZE is set but this torch build has no torch.distributed")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return ProcessGroupInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        group=dist.group.WORLD,
+        backend=backend,
+        started_here=True,
+    )
+
+
+def all_gather_into(full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInfo) -> None:
+    """full[r * n:(r + 1) * n] = shard of rank r, for every rank (n = shard.numel())."""
+    if pg.world_size == 1:
+        if full.data_ptr() != shard.data_ptr():
+            full.copy_(shard)
+        return
+    _ALL_GATHER(full, shard, group=pg.group)
+
+
+def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, pg: ProcessGroupInfo) -> None:
+    """shard = mean over ranks of full[rank * n:(rank + 1) * n] (n = shard.numel())."""
+    if pg.world_size == 1:
+        shard.copy_(full)
+        return
+    _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG, group=pg.group)
+
+
+def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
+    if pg.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg.group)
+    return t
+
+
+def all_reduce_max_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
+    if pg.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg.group)
+    return t
+
+
+def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> torch.device:
+    """Where tensors must live for this group's collectives (NCCL: the GPU; gloo: the CPU;
+    no group at world size 1: the compute device, where the "collective" is a local copy)."""
+    if pg.world_size == 1 or pg.backend == "nccl":
+        return compute_device
+    return torch.device("cpu")

@@ -1,0 +1,742 @@
+"""The user's object: `offload.initialize(model, config)` and the `Engine` it returns.
+
+    engine = offload.initialize(model, config)
+    loss = engine(batch)        # the model's forward, same arguments and outputs
+    engine.backward(loss)
+    engine.step()               # optimizer step at accumulation boundaries
+
+What happens underneath (see docs/engine.md for the full story):
+- The model is split into units (`offload.units`); each unit's parameters are flattened
+  into one buffer and sharded over ranks (`offload.shard`); the module's parameters are
+  replaced by views into the unit's full buffer, which exists only while gathered.
+- Module hooks drive everything, as FSDP2's `fully_shard` does: a unit's pre-forward hook
+  gathers it, its post-forward hook frees it and hooks its outputs so that backward
+  gathers it again; when backward has passed through the unit (an autograd function on
+  its inputs fires), its gradients are reduce-scattered into the rank's fp32 gradient
+  shard on the host and the full buffer is freed. A callback at the end of backward
+  catches every unit the in-backward trigger could not (inputs without grad, the root).
+- `step()` computes the fp16 overflow flag and the global gradient norm across ranks,
+  folds loss-scale, accumulation and clipping into one `grad_scale`, and runs the CPU
+  Adam over every unit's shard (`offload.step.ShardedAdam`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload import distributed as _dist
+from offload.config import Config
+from offload.loss_scaler import LossScaler
+from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
+from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
+from offload.tiers import make_param_tier, wait
+from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
+
+__all__ = ["Engine", "initialize"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+ConfigLike = Union[Config, Mapping[str, Any], str, "os.PathLike[str]", None]
+
+
+def initialize(
+    model: nn.Module,
+    config: ConfigLike = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+) -> "Engine":
+    """Wrap `model` for partitioned training; see `Engine`.
+
+    config: an `offload.Config`, a dict or JSON/YAML path (ours or DeepSpeed's), or None
+        for the defaults.
+    optimizer: None (one group from `config.optimizer`); a dict of hyperparameters that
+        override it; a list of torch-style param groups (`[{"params": [...], "weight_decay":
+        0.0}, ...]` over the model's parameters); or a `torch.optim.Adam`/`AdamW` built on
+        the model, whose groups and hyperparameters are taken over (its state is not).
+    lr_scheduler: a `torch.optim.lr_scheduler` object over `engine.optimizer` cannot exist
+        yet, so pass a callable `optimizer -> scheduler`; it is built on `engine.optimizer`
+        and stepped by `engine.step()` at every applied optimizer step (as DeepSpeed does).
+        None with `config.scheduler` set builds that schedule.
+    """
+    return Engine(model, _load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+
+def _load_config(config: ConfigLike) -> Config:
+    if isinstance(config, Config):
+        return config
+    from offload import config as config_module
+
+    load = getattr(config_module, "load_config", None)
+    if load is not None:
+        return load(config)
+    if config is None:
+        return Config()
+    raise TypeError(
+        f"config must be an offload.Config (got {type(config).__name__}); loading dicts and "
+        "files needs offload.config.load_config"
+    )
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("compute_device='cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"compute_device={name!r}; allowed: 'auto', 'cpu', 'cuda'")
+
+
+@dataclass
+class _Track:
+    """Per-unit bookkeeping for one backward pass (reset when the unit is reduced)."""
+
+    n_forward: int = 0
+    """Grad-enabled forwards whose inputs carry our post-backward trigger."""
+    n_post_backward: int = 0
+    pending: bool = False
+    """A grad-enabled forward ran: gradients will need reducing."""
+    in_backward: bool = False
+    """The unit's pre-backward hook fired (it is gathered for backward)."""
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward says "backward has left this unit".
+
+    Autograd runs a leaf's AccumulateGrad before other ready nodes, so when the gradient
+    of a unit's input is produced, every parameter gradient of that forward call is
+    already accumulated (FSDP2 relies on the same ordering)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):  # type: ignore[override]
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.callback()
+        return (None,) + grads
+
+
+class Engine:
+    """ZeRO-3 partitioned training of one model; built by `offload.initialize`.
+
+    Attributes users rely on: `module` (the wrapped model), `optimizer` (a
+    `torch.optim.Optimizer` whose `param_groups` drive the learning rate), `lr_scheduler`,
+    `global_steps` (applied optimizer steps), `micro_steps`, `skipped_steps`,
+    `loss_scale`, `last_grad_norm`, `rank`, `world_size`, `device`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = config
+        self.module = model
+        device_type = _resolve_device(config.compute_device).type
+        self.dtype = _DTYPES[config.precision.dtype]
+        if config.offload.optimizer_tier != "cpu":
+            raise NotImplementedError(
+                f"offload.optimizer_tier={config.offload.optimizer_tier!r} is not available "
+                "yet (the NVMe tier is the next milestone); use optimizer_tier='cpu'"
+            )
+        # The group first: starting it from torchrun's env selects this rank's GPU
+        # (LOCAL_RANK), which the compute device must then be.
+        self.pg = _dist.setup_process_group(device_type)
+        self.device = _resolve_device(config.compute_device)
+        self.rank, self.world_size = self.pg.rank, self.pg.world_size
+        self.param_tier = make_param_tier(
+            config.offload.param_tier, self.device, config.offload.pin_memory
+        )
+        self.scaler = LossScaler.from_precision(config.precision)
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        self._in_backward = False
+        self._hooks: list[Any] = []
+
+        plans = plan_units(model, config.unit_modules)
+        groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
+        self._build_units(plans, group_of)
+        self._swap_buffers()
+        self._index_state_dict()
+        opt_groups = []
+        for gi, g in enumerate(groups):
+            params = [
+                u.params[i]
+                for u in self.units
+                for i, s in enumerate(u.layout.slots)
+                if s.group == gi
+            ]
+            opt_groups.append({**g, "params": params})
+        self.optimizer = ShardedAdam(
+            opt_groups,
+            self.states,
+            decoupled_weight_decay=decoupled,
+            rank=self.rank,
+            param_tier=self.param_tier,
+            threads=config.cpu_adam_threads,
+        )
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self._tracks = [_Track() for _ in self.units]
+        self._register_hooks()
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _build_units(self, plans: list[UnitPlan], group_of: dict[int, int]) -> None:
+        from offload.materialize import materialize_values  # meta-built models (offload.init)
+
+        self.units: list[FlatUnit] = []
+        self.states: list[UnitOptimizerState] = []
+        self._records: list[list[ParamRecord]] = []
+        cpu = torch.device("cpu")
+        # fp32 compute on the CPU: the parameter shard and the fp32 master are the same
+        # bytes, so the optimizer updates the parameters in place and nothing is copied.
+        alias_master = self.dtype == torch.float32 and self.param_tier.device == cpu
+        mdtype = moments_dtype(self.config.optimizer.moments_dtype)
+        for index, plan in enumerate(plans):
+            entries = []
+            for rec in plan.params:
+                g = group_of.get(id(rec.param), FROZEN_GROUP) if rec.param.requires_grad else FROZEN_GROUP
+                entries.append((rec.name, tuple(rec.param.shape), g))
+            layout = layout_unit(entries, self.world_size)
+            by_name = {rec.name: rec for rec in plan.params}
+            records = [by_name[s.name] for s in layout.slots]
+            shard_numel = layout.shard_numel
+            master = torch.zeros(shard_numel, dtype=torch.float32)
+            key = (index, "param")
+            if alias_master:
+                self.param_tier.adopt(key, master)
+            unit = FlatUnit(
+                index,
+                plan.name,
+                layout,
+                self.param_tier,
+                self.dtype,
+                self.device,
+                self.pg,
+                [r.param.requires_grad for r in records],
+            )
+            trainable = any(r.param.requires_grad for r in records)
+            n_opt = layout.shard_optimized_numel(self.rank)
+            state = UnitOptimizerState(
+                unit=unit,
+                master=master,
+                # pinned on a GPU run: the reduce-scattered shard comes down by DMA
+                grad=torch.zeros(
+                    shard_numel if trainable else 0, dtype=torch.float32,
+                    pin_memory=self.device.type == "cuda",
+                ),
+                exp_avg=torch.zeros(n_opt, dtype=mdtype),
+                exp_avg_sq=torch.zeros(n_opt, dtype=mdtype),
+                slot_steps=[0] * len(layout.slots),
+                slot_has_grad=[False] * len(layout.slots),
+            )
+            self.units.append(unit)
+            self.states.append(state)
+            self._records.append(records)
+        # Fill the masters from the model's values (or replay the init of a meta-built
+        # model, one module at a time), then write the low-precision shards.
+        slot_of = {
+            id(rec.param): (ui, si)
+            for ui, recs in enumerate(self._records)
+            for si, rec in enumerate(recs)
+        }
+        for pid, value in materialize_values(self.module, self._records, slot_of):
+            ui, si = slot_of[pid]
+            self._write_master_slot(ui, si, value)
+        for ui, (unit, state) in enumerate(zip(self.units, self.states)):
+            self._publish_shard(ui)
+            for rec, p in zip(self._records[ui], unit.params):
+                for owner, attr in rec.owners:
+                    owner._parameters[attr] = p
+            if not unit.aliased:
+                unit.free()
+        # The model's original parameters are now referenced by nothing of ours: their
+        # memory goes back as soon as the caller drops its own references.
+        del self._records
+
+    def _write_master_slot(self, ui: int, si: int, value: torch.Tensor) -> None:
+        layout = self.units[ui].layout
+        slot = layout.slots[si]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(
+                f"parameter {slot.name!r}: got shape {tuple(value.shape)}, expected {slot.shape}"
+            )
+        part = layout.slot_in_shard(slot, self.rank)
+        if part is None:
+            return
+        p_off, s_off, n = part
+        src = value.detach().reshape(-1)[p_off : p_off + n]
+        self.states[ui].master[s_off : s_off + n].copy_(src)
+
+    def _publish_shard(self, ui: int) -> None:
+        """Write unit ui's parameter shard (compute dtype, its tier) from its fp32 master."""
+        unit, st = self.units[ui], self.states[ui]
+        shard = self.param_tier.view(unit.key)
+        if shard is not None and shard.data_ptr() == st.master.data_ptr():
+            return
+        wait(self.param_tier.store(unit.key, st.master.to(self.dtype)))
+        if unit.aliased:
+            return
+        if unit.state is UnitState.GATHERED:
+            unit.free()  # re-gathered from the new shard on next use
+
+    def _swap_buffers(self) -> None:
+        """Buffers are not sharded: each rank keeps them whole on the compute device, cast
+        to the compute dtype when floating (as `model.to(dtype)` would)."""
+        self._buffer_dtypes: dict[int, torch.dtype] = {}
+        new_of: dict[int, torch.Tensor] = {}
+        for m in self.module.modules():
+            for name, b in list(m._buffers.items()):
+                if b is None:
+                    continue
+                if id(b) not in new_of:
+                    if b.is_meta:
+                        raise ValueError(
+                            f"buffer {name!r} of {type(m).__name__} is still on the meta device; "
+                            "give the module a reset_parameters() that re-creates it, or build "
+                            "the model outside offload.init"
+                        )
+                    dtype = self.dtype if b.is_floating_point() else b.dtype
+                    nb = b.detach().to(device=self.device, dtype=dtype)
+                    new_of[id(b)] = nb
+                    self._buffer_dtypes[id(nb)] = b.dtype
+                m._buffers[name] = new_of[id(b)]
+
+    def _index_state_dict(self) -> None:
+        """For each key of `model.state_dict()`: which slot or buffer holds its value."""
+        where: dict[int, tuple[int, int]] = {}
+        for ui, unit in enumerate(self.units):
+            for si, p in enumerate(unit.params):
+                where[id(p)] = (ui, si)
+        self._sd_index: list[tuple[str, Any]] = []
+        self._first_key: dict[tuple[int, int], str] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor) and id(value) in where:
+                loc = where[id(value)]
+                self._first_key.setdefault(loc, key)
+                self._sd_index.append((key, ("param", loc)))
+            elif isinstance(value, torch.Tensor):
+                self._sd_index.append((key, ("buffer", value)))
+            else:
+                self._sd_index.append((key, ("other", value)))
+
+    def _build_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(self.optimizer)
+            if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
+                raise TypeError(
+                    "lr_scheduler must be a callable taking engine.optimizer (e.g. "
+                    "lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)); a scheduler built "
+                    "on another optimizer would not drive the engine's learning rate"
+                )
+            return lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        try:
+            from offload.lr_schedules import build_scheduler
+        except ImportError as exc:
+            raise NotImplementedError(
+                f"config.scheduler={self.config.scheduler.type!r} needs offload.lr_schedules, "
+                "which this build lacks; pass lr_scheduler= instead"
+            ) from exc
+        return build_scheduler(self.optimizer, self.config.scheduler)
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        for unit in self.units:
+            module = self.module if unit.index == ROOT else _module_by_name(self.module, unit.name)
+            self._hooks.append(
+                module.register_forward_pre_hook(
+                    _bind(self._pre_forward, unit), with_kwargs=True, prepend=True
+                )
+            )
+            self._hooks.append(
+                module.register_forward_hook(_bind(self._post_forward, unit), always_call=False)
+            )
+
+    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if unit.index == ROOT and not self._in_backward:
+            args, kwargs = self._cast_inputs(args, kwargs)
+        unit.gather()
+        track = self._tracks[unit.index]
+        if self._in_backward and (track.in_backward or track.n_forward > 0):
+            # Activation-checkpoint recomputation (non-reentrant): the original forward's
+            # trigger still stands and will fire; the recomputed graph is never
+            # back-propagated, so a trigger on it would never fire. (Re-entrant
+            # recomputation finds n_forward == 0: its original forward ran without grad.)
+            return args, kwargs
+        if torch.is_grad_enabled() and unit.index != ROOT:
+            track.pending = True
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if idx:
+                outs = _PostBackward.apply(_bind0(self._post_backward, unit), *[flat[i] for i in idx])
+                for i, t in zip(idx, outs):
+                    flat[i] = t
+                track.n_forward += 1
+                args, kwargs = tree_unflatten(flat, spec)
+        elif torch.is_grad_enabled():
+            track.pending = True
+        return args, kwargs
+
+    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._in_backward:
+            return None  # recomputation: stays gathered until the unit's post-backward
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, _bind(self._pre_backward, unit), mode="any"
+            )
+        if unit.index != ROOT:
+            unit.free()
+        elif not tensors:
+            # A forward that backward will never visit (eval, no_grad): release everything.
+            self._tracks[ROOT].pending = False
+            unit.free()
+        return None
+
+    def _pre_backward(self, unit: FlatUnit, grad: Any) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            # Runs when this backward pass finishes, inside the autograd engine.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        unit.gather()
+        self._tracks[unit.index].in_backward = True
+
+    def _post_backward(self, unit: FlatUnit) -> None:
+        track = self._tracks[unit.index]
+        track.n_post_backward += 1
+        if track.n_post_backward >= track.n_forward:
+            self._reduce(unit)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        """Reduce-scatter the unit's gradients into its host shard and free it."""
+        st = self.states[unit.index]
+        track = self._tracks[unit.index]
+        if st.grad.numel():
+            have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
+            st.grad_valid = True
+            st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
+        self._tracks[unit.index] = _Track()
+        del track
+        if unit.index != ROOT:
+            unit.free()
+
+    def _finish_backward(self) -> None:
+        """End of a backward pass: reduce every unit still pending, in one fixed order on
+        every rank (collectives must match), then free the root. Idempotent."""
+        if not self._in_backward and not any(t.pending for t in self._tracks):
+            return
+        for unit in reversed(self.units):
+            if self._tracks[unit.index].pending:
+                self._reduce(unit)
+            elif unit.index != ROOT:
+                unit.free()
+            self._tracks[unit.index] = _Track()
+        self.units[ROOT].free()
+        self._in_backward = False
+
+    def _abort_backward(self) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+            unit.free()
+        self._tracks = [_Track() for _ in self.units]
+        self._in_backward = False
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        changed = False
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                dtype = self.dtype if t.is_floating_point() else t.dtype
+                if t.device != self.device or t.dtype != dtype:
+                    flat[i] = t.to(device=self.device, dtype=dtype)
+                    changed = True
+        return tree_unflatten(flat, spec) if changed else (args, kwargs)
+
+    # -- the user's loop -------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """`loss.backward()`, with the fp16 loss scale applied. Gradients accumulate into the
+        shards until `step()` reaches an accumulation boundary; the engine divides them by
+        gradient_accumulation_steps there (DeepSpeed's default), so pass the plain loss."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        if self.scaler.scale != 1.0:
+            loss = loss.float() * self.scaler.scale
+        try:
+            loss.backward(retain_graph=retain_graph)
+        except BaseException:
+            # A backward that died half-way must not leave units looking "in backward" (the
+            # next forward would keep them gathered): drop its partial state, keep the
+            # gradients of earlier micro-batches.
+            self._abort_backward()
+            raise
+        self._finish_backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Advance one micro-batch; at an accumulation boundary apply the optimizer step."""
+        self._finish_backward()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._optimizer_step()
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> None:
+        # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
+        # step's gathers read from: those copies must have landed first.
+        self._sync_device()
+        self._sync_has_grad()
+        unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
+        overflow = False
+        if self.dtype == torch.float16:
+            flag = torch.zeros(1, dtype=torch.float32)
+            for st in self.states:
+                g = st.grad[: st.optimized_numel]
+                if g.numel() and not torch.isfinite(g).all():
+                    flag.fill_(1.0)
+                    break
+            overflow = bool(self._all_reduce(flag, "max").item())
+        clip = float(self.config.gradient_clipping)
+        grad_scale: Optional[float] = unscale
+        if overflow:
+            grad_scale = None
+            self.last_grad_norm = float("inf")
+        elif clip > 0.0:
+            sq = torch.zeros(1, dtype=torch.float64)
+            for st in self.states:
+                g = st.grad[: st.optimized_numel]
+                if g.numel():
+                    sq += torch.dot(g, g).double()
+            total = math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
+            self.last_grad_norm = total
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
+            grad_scale = unscale * min(1.0, clip / (total + 1e-6))
+        self.optimizer.step(grad_scale=grad_scale)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _sync_has_grad(self) -> None:
+        """Agree across ranks on which parameters got a gradient this step (a parameter
+        skipped on one rank but not another is updated everywhere with the average)."""
+        if self.world_size == 1:
+            return
+        flags = torch.tensor(
+            [float(h) for st in self.states for h in st.slot_has_grad], dtype=torch.float32
+        )
+        if flags.numel() == 0:
+            return
+        self._all_reduce(flags, "max")
+        i = 0
+        for st in self.states:
+            n = len(st.slot_has_grad)
+            st.slot_has_grad = [bool(v) for v in flags[i : i + n].tolist()]
+            i += n
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        dev = _dist.collective_device(self.pg, self.device)
+        x = t.to(dev)
+        (_dist.all_reduce_max_ if op == "max" else _dist.all_reduce_sum_)(x, self.pg)
+        return x.cpu()
+
+    # -- conveniences torch users expect ----------------------------------------------------
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    # -- weights in and out ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """The consolidated fp32 weights, with exactly `model.state_dict()`'s keys (tied
+        parameters under each of their names; buffers in their original dtype), on CPU.
+
+        Every rank must call it (it gathers); with `rank0_only` the other ranks get {}.
+        Units are gathered one at a time, so at most one unit's full fp32 copy exists
+        beside the result."""
+        want = self.rank == 0 or not rank0_only
+        values: dict[tuple[int, int], torch.Tensor] = {}
+        for ui, (unit, st) in enumerate(zip(self.units, self.states)):
+            layout = unit.layout
+            if self.world_size == 1:
+                full = st.master
+            else:
+                dev = _dist.collective_device(self.pg, self.device)
+                full = torch.empty(layout.padded_numel, dtype=torch.float32, device=dev)
+                _dist.all_gather_into(full, st.master.to(dev), self.pg)
+            if want:
+                for si, s in enumerate(layout.slots):
+                    values[(ui, si)] = full[s.offset : s.end].view(s.shape).to("cpu", copy=True)
+            del full
+        if not want:
+            return {}
+        out: dict[str, Any] = {}
+        for key, (kind, what) in self._sd_index:
+            if kind == "param":
+                out[key] = values[what]
+            elif kind == "buffer":
+                dtype = self._buffer_dtypes.get(id(what), what.dtype)
+                out[key] = what.detach().to("cpu", dtype=dtype, copy=True)
+            else:
+                out[key] = what
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load consolidated weights (as `full_state_dict` returns) into the shards. Every
+        rank passes the full dict (e.g. each `torch.load`s it); each keeps its own slice.
+        Optimizer moments are left as they are."""
+        self._sync_device()  # see _optimizer_step: host shards are about to be rewritten
+        keys = [k for k, _ in self._sd_index]
+        if strict:
+            missing = [k for k in keys if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in set(keys)]
+            if missing or unexpected:
+                raise KeyError(
+                    f"state dict does not match the model: missing keys {missing[:10]}"
+                    f"{'...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+                    f"{'...' if len(unexpected) > 10 else ''}"
+                )
+        done: set[tuple[int, int]] = set()
+        for key, (kind, what) in self._sd_index:
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if kind == "param":
+                if what in done:
+                    continue
+                done.add(what)
+                self._write_master_slot(*what, torch.as_tensor(value))
+            elif kind == "buffer":
+                what.copy_(torch.as_tensor(value).to(what.dtype))
+        for ui in range(len(self.units)):
+            self._publish_shard(ui)
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds right now, per tier: 'device' (compute-device memory:
+        parameter shards on the device tier, gathered full buffers, buffers), 'host' (CPU
+        memory: parameter shards on the host tier, fp32 master, gradient shards, Adam
+        moments), 'nvme' (swap files; 0 until the NVMe tier). On a CPU run 'device' and
+        'host' are both main memory, kept apart so the split is visible."""
+        out = {"device": 0, "host": 0, "nvme": 0}
+        counted: set[int] = set()
+
+        def add(kind: str, t: torch.Tensor) -> None:
+            s = t.untyped_storage()
+            if s.nbytes() == 0 or s.data_ptr() in counted:
+                return
+            counted.add(s.data_ptr())
+            out[kind] += s.nbytes()
+
+        for st in self.states:
+            for t in (st.master, st.grad, st.exp_avg, st.exp_avg_sq):
+                add("host", t)
+        bucket = {"host": "host", "device": "device", "nvme": "nvme"}[self.param_tier.kind]
+        for unit in self.units:
+            shard = self.param_tier.view(unit.key)
+            if shard is not None:
+                add(bucket, shard)
+            else:  # not addressable (NVMe): count its size in the tier's bucket
+                out[bucket] += unit.layout.shard_numel * unit.full.element_size()
+            add("device", unit.full)
+        for b in self.module.buffers():
+            add("device", b)
+        staging = getattr(self.optimizer, "_staging", None)
+        if staging is not None:
+            add("host", staging)
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks; destroy the process group if this engine started it."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.pg.started_here and dist.is_initialized():
+            # Every rank leaves together: gloo aborts a process whose peer tears its
+            # connections down while it is still tearing down its own.
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _module_by_name(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name)
+
+
+def _bind(fn: Callable[..., Any], unit: FlatUnit) -> Callable[..., Any]:
+    def hook(*args: Any) -> Any:
+        return fn(unit, *args)
+
+    return hook
+
+
+def _bind0(fn: Callable[[FlatUnit], None], unit: FlatUnit) -> Callable[[], None]:
+    def callback() -> None:
+        fn(unit)
+
+    return callback

@@ -1,0 +1,378 @@
+"""A unit's flat layout, its rank's shard, and the gather / reduce-scatter that move it.
+
+Layout first, as pure functions on integers (tested without tensors in test_shard.py):
+a unit's parameters are laid end to end in one flat buffer, each at an offset aligned to
+`PARAM_ALIGN_ELEMS`, ordered by optimizer group (frozen parameters last), and the whole is
+padded so that every rank's shard has the same length, a multiple of `SHARD_ALIGN_ELEMS`.
+Rank r owns flat elements [r * shard_numel, (r + 1) * shard_numel).
+
+Then `FlatUnit`, the runtime of one unit on one rank: the shard in its tier, the full flat
+buffer on the compute device, and the parameters as views into that buffer.
+
+[Note: freeing by storage resize]
+The parameters the module holds are `nn.Parameter` views into `full`. To free the unit we
+resize `full`'s untyped storage to 0 bytes, and to gather we resize it back and all-gather
+into it. The tensor objects never change, so parameters the module holds and tensors that
+autograd saved for backward stay valid: after a re-gather they see the same bytes again.
+(FSDP2 frees its all-gather output the same way.)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from offload import distributed as _dist
+from offload.tiers import Tier, wait
+
+PARAM_ALIGN_ELEMS = 16
+"""Each parameter starts at a multiple of 16 elements: 64-byte (cache line / AVX-512)
+aligned views in fp32, 32-byte in bf16."""
+
+SHARD_ALIGN_ELEMS = 2048
+"""Every shard is a multiple of 2048 elements: 4 KiB in bf16/fp16, 8 KiB in fp32, so the
+NVMe tier can move shards with O_DIRECT at 4 KiB-aligned offsets and sizes."""
+
+FROZEN_GROUP = -1
+"""The group index of parameters no optimizer group updates (requires_grad=False, or
+not listed in any group). They are laid out after every optimized parameter."""
+
+
+def align_up(n: int, multiple: int) -> int:
+    if multiple <= 0:
+        raise ValueError(f"alignment must be positive, got {multiple}")
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in its unit's flat buffer (in elements)."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of flat elements [start, end) updated with one optimizer group's settings."""
+
+    group: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+    padded_numel: int
+    """Flat elements including alignment gaps and tail padding; world_size * shard_numel."""
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def numel(self) -> int:
+        """Elements that belong to parameters (no gaps, no padding)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def optimized_numel(self) -> int:
+        """Flat elements [0, optimized_numel) hold every optimized parameter."""
+        ends = [s.end for s in self.slots if s.group != FROZEN_GROUP]
+        return max(ends, default=0)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def segments(self) -> tuple[Segment, ...]:
+        """One flat run per optimizer group, covering the group's parameters and the gaps
+        between them (gaps hold zeros, which Adam leaves at zero)."""
+        out: list[Segment] = []
+        for s in self.slots:
+            if s.group == FROZEN_GROUP:
+                continue
+            if out and out[-1].group == s.group:
+                out[-1] = Segment(s.group, out[-1].start, s.end)
+            else:
+                out.append(Segment(s.group, s.offset, s.end))
+        return tuple(out)
+
+    def shard_segments(self, rank: int) -> tuple[Segment, ...]:
+        """`segments()` clipped to this rank's shard, in shard-local coordinates."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for seg in self.segments():
+            r = intersect((seg.start, seg.end), (lo, hi))
+            if r is not None:
+                out.append(Segment(seg.group, r[0] - lo, r[1] - lo))
+        return tuple(out)
+
+    def shard_optimized_numel(self, rank: int) -> int:
+        """Shard-local elements [0, n) that optimizer state must cover on this rank."""
+        lo, hi = self.shard_range(rank)
+        return max(0, min(self.optimized_numel, hi) - lo)
+
+    def slot_in_shard(self, slot: ParamSlot, rank: int) -> Optional[tuple[int, int, int]]:
+        """The part of `slot` this rank owns: (offset in the parameter, offset in the shard,
+        length), or None."""
+        lo, hi = self.shard_range(rank)
+        r = intersect((slot.offset, slot.end), (lo, hi))
+        if r is None:
+            return None
+        return r[0] - slot.offset, r[0] - lo, r[1] - r[0]
+
+
+def intersect(a: tuple[int, int], b: tuple[int, int]) -> Optional[tuple[int, int]]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def layout_unit(
+    params: Sequence[tuple[str, Sequence[int], int]],
+    world_size: int,
+    param_align: int = PARAM_ALIGN_ELEMS,
+    shard_align: int = SHARD_ALIGN_ELEMS,
+) -> UnitLayout:
+    """Lay out (name, shape, group) parameters: groups ascending, FROZEN_GROUP last, the
+    order within a group kept; offsets aligned; padded to world_size equal aligned shards."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    order = sorted(
+        range(len(params)),
+        key=lambda i: (params[i][2] == FROZEN_GROUP, params[i][2], i),
+    )
+    slots = []
+    offset = 0
+    for i in order:
+        name, shape, group = params[i]
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        offset = align_up(offset, param_align)
+        slots.append(ParamSlot(name, tuple(int(d) for d in shape), int(group), offset, numel))
+        offset += numel
+    shard_numel = max(align_up(-(-offset // world_size), shard_align), shard_align)
+    return UnitLayout(tuple(slots), world_size, shard_numel * world_size)
+
+
+class UnitState(enum.Enum):
+    SHARDED = "only the rank's shard exists, in its tier; `full` has 0-byte storage"
+    GATHERED = "`full` holds every rank's shard on the compute device; parameters are readable"
+
+
+class FlatUnit:
+    """One unit on one rank: its shard, its full buffer, its parameter views.
+
+    Owns: the low-precision shard (in `tier` under key (index, 'param')), `full` (compute
+    device, compute dtype, padded_numel elements, storage freed between uses — see
+    [Note: freeing by storage resize]) and the `nn.Parameter` views the module holds.
+    Called from the thread that runs forward/backward only.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        layout: UnitLayout,
+        tier: Tier,
+        dtype: torch.dtype,
+        device: torch.device,
+        pg: _dist.ProcessGroupInfo,
+        requires_grad: Sequence[bool],
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.layout = layout
+        self.tier = tier
+        self.dtype = dtype
+        self.device = device
+        self.pg = pg
+        self.key = (index, "param")
+        self.state = UnitState.SHARDED
+        if self.key not in tier:
+            tier.allocate(self.key, layout.shard_numel, dtype)
+        shard = tier.view(self.key)
+        # World size 1 with the shard already on the compute device: the shard *is* the
+        # full buffer, so gather and free are no-ops and nothing is ever copied.
+        self.aliased = (
+            pg.world_size == 1 and shard is not None and shard.device == device
+        )
+        self._coll_device = _dist.collective_device(pg, device)
+        if self.aliased:
+            self.full = shard
+            self.state = UnitState.GATHERED
+        else:
+            self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        # Views are made while `full` has its bytes (set_ would otherwise grow the storage).
+        self.params: list[nn.Parameter] = [
+            nn.Parameter(self._slot_view(s), requires_grad=rg)
+            for s, rg in zip(layout.slots, requires_grad)
+        ]
+        if not self.aliased:
+            _free_storage(self.full)
+
+    def _slot_view(self, slot: ParamSlot) -> torch.Tensor:
+        # A tensor on `full`'s storage with its *own* version counter (set_, not slicing):
+        # gathering into `full` during backward must not look like an in-place change of
+        # the parameters that autograd saved in forward — the bytes it restores are the
+        # same ones. (A slice would share `full`'s counter and trip autograd's check.)
+        view = torch.empty(0, dtype=self.dtype, device=self.device)
+        stride = torch.empty(slot.shape, device="meta").stride()
+        view.set_(self.full.untyped_storage(), self.full.storage_offset() + slot.offset, slot.shape, stride)
+        return view
+
+    # -- gather / free --------------------------------------------------------------------
+
+    @property
+    def shard(self) -> Optional[torch.Tensor]:
+        return self.tier.view(self.key)
+
+    def gather(self) -> None:
+        """Make every parameter readable on the compute device (idempotent)."""
+        if self.state is UnitState.GATHERED:
+            return
+        _alloc_storage(self.full)
+        n = self.layout.shard_numel
+        if self._coll_device == self.device:
+            local = self.tier.view(self.key)
+            if local is None or local.device != self.device:
+                # Stage this rank's shard into its own slot of `full`, then gather in place.
+                local = self.full[self.pg.rank * n : (self.pg.rank + 1) * n]
+                wait(self.tier.fetch(self.key, local))
+            _dist.all_gather_into(self.full, local, self.pg)
+        else:
+            # gloo with a GPU compute device: gather in host memory, then one copy up.
+            full_host = torch.empty(self.layout.padded_numel, dtype=self.dtype)
+            local = full_host[self.pg.rank * n : (self.pg.rank + 1) * n]
+            wait(self.tier.fetch(self.key, local))
+            _dist.all_gather_into(full_host, local, self.pg)
+            self.full.copy_(full_host)
+        self.state = UnitState.GATHERED
+
+    def free(self) -> None:
+        """Release the full buffer (idempotent; a no-op when aliased to the shard)."""
+        if self.aliased or self.state is UnitState.SHARDED:
+            return
+        _free_storage(self.full)
+        self.state = UnitState.SHARDED
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def reduce_scatter_grads(self, grad_shard: torch.Tensor, accumulate: bool) -> list[bool]:
+        """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, the
+        rank's shard, host), adding to it when `accumulate`; drop the full gradients.
+        Returns, per slot, whether its parameter had a local gradient. With more than one
+        rank the collective runs regardless: every rank must take part."""
+        params = self.params
+        have = [p.grad is not None for p in params]
+        if self.pg.world_size == 1 and grad_shard.device == self.device:
+            # One pass per gradient straight into the shard (compute on the CPU): copy on a
+            # step's first micro-batch, add on later ones. Alignment gaps are never written
+            # and stay zero from allocation.
+            for p, s, h in zip(params, self.layout.slots, have):
+                dst = grad_shard[s.offset : s.end]
+                if h:
+                    src = p.grad.reshape(-1)
+                    dst.add_(src) if accumulate else dst.copy_(src)
+                    p.grad = None
+                elif not accumulate:
+                    dst.zero_()
+            return have
+        # Gradients are reduced in fp32 whatever the compute dtype: averaging bf16 partial
+        # sums across ranks would round each one to 8 bits of mantissa.
+        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
+        for p, s, h in zip(params, self.layout.slots, have):
+            if h:
+                flat[s.offset : s.end].copy_(p.grad.reshape(-1))
+                p.grad = None
+        if not accumulate and grad_shard.device == self._coll_device:
+            _dist.reduce_scatter_mean(grad_shard, flat, self.pg)
+        else:
+            out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._coll_device)
+            _dist.reduce_scatter_mean(out, flat, self.pg)
+            if accumulate:
+                grad_shard.add_(out.to(grad_shard.device))
+            else:
+                grad_shard.copy_(out)
+        del flat
+        return have
+
+    def full_bytes(self) -> int:
+        """Bytes the full buffer holds right now (0 when freed or aliased)."""
+        if self.aliased:
+            return 0
+        return self.full.untyped_storage().nbytes()
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    need = t.numel() * t.element_size()
+    if storage.nbytes() != need:
+        storage.resize_(need)
+
+
+@dataclass(frozen=True)
+class UpdateRun:
+    """A shard-local run [start, end) updated by one adam call: one group, one step count."""
+
+    group: int
+    step: int
+    start: int
+    end: int
+
+
+def update_runs(
+    layout: UnitLayout, rank: int, active: Sequence[bool], steps: Sequence[int]
+) -> tuple[UpdateRun, ...]:
+    """The calls one optimizer step makes over this rank's shard.
+
+    `active[i]`: slot i is optimized this step (it is in a group and received a gradient);
+    `steps[i]`: slot i's step count after this update (torch keeps one per parameter, and a
+    parameter without a gradient is skipped, so counts can differ). Consecutive active
+    slots with equal (group, step) merge into one run, gaps between them included (zeros).
+    """
+    lo, hi = layout.shard_range(rank)
+    runs: list[UpdateRun] = []
+    prev_end = None
+    for slot, on, step in zip(layout.slots, active, steps):
+        if not on or slot.group == FROZEN_GROUP:
+            prev_end = None
+            continue
+        r = intersect((slot.offset, slot.end), (lo, hi))
+        if r is None:
+            prev_end = None
+            continue
+        start, end = r[0] - lo, r[1] - lo
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and prev_end is not None
+            and last.end == prev_end
+            and (last.group, last.step) == (slot.group, step)
+        ):
+            runs[-1] = UpdateRun(slot.group, step, last.start, end)
+        else:
+            runs.append(UpdateRun(slot.group, step, start, end))
+        prev_end = end
+    return tuple(runs)

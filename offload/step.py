@@ -1,0 +1,328 @@
+"""The optimizer over shards: fp32 master + Adam moments per unit shard, in CPU memory.
+
+`ShardedAdam` is a `torch.optim.Optimizer` so that every `torch.optim.lr_scheduler` drives
+it through `param_groups` (lr, betas, eps, weight_decay per group). Its state is not
+torch's per-parameter dict but one `UnitOptimizerState` per unit: flat fp32 tensors
+covering this rank's shard. One step calls `offload.optim.adam_step_flat` once per run of
+elements sharing a group and a step count (usually once per group per unit), with the
+loss-scale/clip factor folded into `grad_scale` and the new low-precision parameters
+written in the same pass (`out_lowp`).
+
+Semantics are torch.optim.AdamW's (or Adam's with L2 when type='Adam'): a parameter that
+received no gradient in a step is skipped (no decay, no moment update, its step count does
+not advance), as torch skips parameters whose `.grad` is None.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from offload.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
+from offload.tiers import Tier, wait
+
+_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class UnitOptimizerState:
+    """One unit's optimizer state on this rank (host memory).
+
+    master: fp32, the whole shard (frozen parameters too: full_state_dict reads it).
+    grad: fp32, the whole shard; reduce-scatter output, accumulated over micro-batches.
+    exp_avg / exp_avg_sq: the shard's optimized prefix only (frozen parameters get none).
+    """
+
+    unit: FlatUnit
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    slot_steps: list[int]
+    slot_has_grad: list[bool] = field(default_factory=list)
+    grad_valid: bool = False
+    """False until the first micro-batch of a step writes `grad` (then later ones add)."""
+
+    @property
+    def layout(self) -> UnitLayout:
+        return self.unit.layout
+
+    @property
+    def optimized_numel(self) -> int:
+        return self.exp_avg.numel()
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)
+        )
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over flat shards. Built by the engine; users touch `param_groups` (and
+    schedulers do). `step(grad_scale=...)` is called by `engine.step()` at accumulation
+    boundaries; `grad_scale=None` records a skipped step (fp16 overflow)."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        states: list[UnitOptimizerState],
+        *,
+        decoupled_weight_decay: bool,
+        rank: int,
+        param_tier: Tier,
+        threads: int = 0,
+        adam_fn: Optional[Callable[..., None]] = None,
+    ) -> None:
+        defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
+        super().__init__(param_groups, defaults)
+        self.unit_states = states
+        self.decoupled_weight_decay = decoupled_weight_decay
+        self.rank = rank
+        self.param_tier = param_tier
+        self._adam_fn = adam_fn
+        self._threads = int(threads)
+        self._staging: Optional[torch.Tensor] = None
+
+    def _adam(self) -> Callable[..., None]:
+        if self._adam_fn is not None:
+            return self._adam_fn
+        # Looked up at call time: the native kernel replaces the reference when it is bound.
+        from offload.optim import functional
+
+        fn = functional.adam_step_flat
+        if self._threads > 0 and "threads" in inspect.signature(fn).parameters:
+            threads = self._threads  # config.cpu_adam_threads, where the kernel takes it
+
+            def with_threads(*args: Any, **kwargs: Any) -> None:
+                fn(*args, threads=threads, **kwargs)
+
+            return with_threads
+        return fn
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scale: Optional[float] = 1.0) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("ShardedAdam.step takes no closure; call engine.step()")
+        if grad_scale is None:
+            return
+        adam = self._adam()
+        for st in self.unit_states:
+            if st.optimized_numel == 0 and not _any_optimized(st.layout):
+                continue
+            active = [
+                has and slot.group != FROZEN_GROUP
+                for has, slot in zip(st.slot_has_grad, st.layout.slots)
+            ]
+            new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
+            runs = update_runs(st.layout, self.rank, active, new_steps)
+            lowp = self._lowp_target(st)
+            if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
+                # A staging buffer is stored whole: what the runs do not write (frozen or
+                # gradient-less parameters, gaps, padding) must hold the shard's current
+                # values, which are always the master rounded to the compute dtype.
+                _fill_outside_runs(lowp, st.master, runs)
+            for run in runs:
+                g = self.param_groups[run.group]
+                beta1, beta2 = g["betas"]
+                sl = slice(run.start, run.end)
+                adam(
+                    st.master[sl],
+                    st.grad[sl],
+                    st.exp_avg[sl],
+                    st.exp_avg_sq[sl],
+                    step=run.step,
+                    lr=float(g["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(g["eps"]),
+                    weight_decay=float(g["weight_decay"]),
+                    decoupled_weight_decay=self.decoupled_weight_decay,
+                    grad_scale=float(grad_scale),
+                    out_lowp=None if lowp is None else lowp[sl],
+                )
+            st.slot_steps = new_steps
+            self._publish(st, lowp, bool(runs))
+
+    def _lowp_target(self, st: UnitOptimizerState) -> Optional[torch.Tensor]:
+        """Where the updated low-precision parameters go: the tier's shard itself when it is
+        host memory, else a host staging buffer copied to the tier after the update; None
+        when the parameter shard is the fp32 master itself (or fp32 is stored by copy)."""
+        unit = st.unit
+        if unit.dtype == torch.float32:
+            return None
+        shard = self.param_tier.view(unit.key)
+        if shard is not None and shard.device.type == "cpu":
+            return shard
+        n = unit.layout.shard_numel
+        if self._staging is None or self._staging.numel() < n or self._staging.dtype != unit.dtype:
+            pin = torch.cuda.is_available()
+            self._staging = torch.empty(n, dtype=unit.dtype, pin_memory=pin)
+        return self._staging[:n]
+
+    def _publish(self, st: UnitOptimizerState, lowp: Optional[torch.Tensor], updated: bool) -> None:
+        unit = st.unit
+        if not updated:
+            return
+        shard = self.param_tier.view(unit.key)
+        if unit.dtype == torch.float32:
+            if shard is None or shard.data_ptr() != st.master.data_ptr():
+                wait(self.param_tier.store(unit.key, st.master))
+        elif shard is None or lowp.data_ptr() != shard.data_ptr():
+            wait(self.param_tier.store(unit.key, lowp))
+            if lowp.is_pinned() and shard is not None and shard.device.type == "cuda":
+                # The staging buffer is reused by the next unit: its asynchronous upload
+                # must have finished reading it. (Double-buffering is the scheduler's job.)
+                torch.cuda.current_stream(shard.device).synchronize()
+        # A unit that stays gathered (world size 1, aliased) already sees the new values;
+        # any other is re-gathered from the updated shard before its next use.
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the shards and are cleared by `engine.step()` at each boundary;
+        calling this between micro-batches discards the accumulated ones."""
+        for st in self.unit_states:
+            st.grad_valid = False
+            st.slot_has_grad = [False] * len(st.slot_has_grad)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (shards), with torch's param_groups layout. Engine checkpoints
+        add the manifest needed to re-shard it."""
+        groups = []
+        for g in self.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"})
+        state = {
+            st.unit.index: {
+                "master": st.master,
+                "exp_avg": st.exp_avg,
+                "exp_avg_sq": st.exp_avg_sq,
+                "slot_steps": list(st.slot_steps),
+            }
+            for st in self.unit_states
+        }
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups)} param groups, this engine has "
+                f"{len(self.param_groups)}"
+            )
+        for mine, theirs in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        by_index = {st.unit.index: st for st in self.unit_states}
+        for idx, s in state_dict["state"].items():
+            st = by_index[int(idx)]
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                src, dst = s[name], getattr(st, name)
+                if src.shape != dst.shape:
+                    raise ValueError(
+                        f"unit {st.unit.name or '<root>'} {name}: saved shape {tuple(src.shape)} "
+                        f"!= this engine's {tuple(dst.shape)} (different model or world size)"
+                    )
+                dst.copy_(src)
+            st.slot_steps = list(s["slot_steps"])
+            _publish_master(self, st)
+
+
+def _publish_master(opt: ShardedAdam, st: UnitOptimizerState) -> None:
+    """Write the parameter shard from the fp32 master (after loading weights)."""
+    unit = st.unit
+    shard = opt.param_tier.view(unit.key)
+    if shard is not None and shard.data_ptr() == st.master.data_ptr():
+        return
+    wait(opt.param_tier.store(unit.key, st.master.to(unit.dtype)))
+
+
+def _is_shard(tier: Tier, st: UnitOptimizerState, t: torch.Tensor) -> bool:
+    shard = tier.view(st.unit.key)
+    return shard is not None and shard.data_ptr() == t.data_ptr()
+
+
+def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Any) -> None:
+    pos = 0
+    for run in list(runs) + [None]:
+        end = lowp.numel() if run is None else run.start
+        if end > pos:
+            lowp[pos:end].copy_(master[pos:end])
+        if run is not None:
+            pos = run.end
+
+
+def _any_optimized(layout: UnitLayout) -> bool:
+    return any(s.group != FROZEN_GROUP for s in layout.slots)
+
+
+def moments_dtype(name: str) -> torch.dtype:
+    try:
+        return _MOMENT_DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"optimizer.moments_dtype={name!r}; allowed: {sorted(_MOMENT_DTYPES)}"
+        ) from None
+
+
+def resolve_param_groups(
+    model: nn.Module, oc: Any, optimizer: Any
+) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
+    """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
+    (hyperparameters per group, id(param) -> group index, decoupled weight decay).
+    See `offload.initialize` for the accepted forms."""
+    base = {
+        "lr": oc.lr,
+        "betas": tuple(oc.betas),
+        "eps": oc.eps,
+        "weight_decay": oc.weight_decay,
+    }
+    decoupled = oc.type == "AdamW"
+    all_params = [p for p in model.parameters()]
+    if optimizer is None:
+        return [base], {id(p): 0 for p in all_params}, decoupled
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.AdamW):
+            decoupled = True
+        elif isinstance(optimizer, torch.optim.Adam):
+            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+        else:
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__}: the engine runs Adam/AdamW on the CPU; "
+                "pass a torch.optim.Adam/AdamW, param groups, or a dict of hyperparameters"
+            )
+        for g in optimizer.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise NotImplementedError("amsgrad / maximize are not supported by the CPU Adam")
+        specs = optimizer.param_groups
+    elif isinstance(optimizer, Mapping):
+        unknown = set(optimizer) - set(base)
+        if unknown:
+            raise ValueError(
+                f"optimizer hyperparameters {sorted(unknown)} are not known; allowed: {sorted(base)}"
+            )
+        g = {**base, **optimizer}
+        g["betas"] = tuple(g["betas"])
+        return [g], {id(p): 0 for p in all_params}, decoupled
+    else:
+        specs = list(optimizer)
+    known = {id(p) for p in all_params}
+    groups, group_of = [], {}
+    for gi, spec in enumerate(specs):
+        if not isinstance(spec, Mapping) or "params" not in spec:
+            raise TypeError("each optimizer param group must be a dict with a 'params' list")
+        hp = {k: v for k, v in spec.items() if k in base}
+        g = {**base, **hp}
+        g["betas"] = tuple(g["betas"])
+        for p in spec["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"optimizer param group {gi} lists a tensor of shape {tuple(p.shape)} that "
+                    "is not a parameter of the model"
+                )
+            if id(p) in group_of:
+                raise ValueError(f"a parameter appears in more than one group (group {gi})")
+            group_of[id(p)] = gi
+        groups.append(g)
+    return groups, group_of, decoupled

@@ -1,0 +1,96 @@
+"""Unit discovery: which modules are gathered together, and which parameters each owns.
+
+The wrap policy, as FSDP's: by default every child of every `nn.ModuleList` (the
+transformer blocks) is a unit; with `config.unit_modules` set, every module whose class
+name is listed is one instead. Only the outermost match counts (a unit inside a unit is
+part of it). Everything else belongs to the root unit, the model itself.
+
+A parameter reachable from more than one unit (tied embeddings and LM head, a module
+shared by two blocks) belongs to their lowest common ancestor, which for sibling units is
+the root: it stays gathered while any of its users runs. The root's pre-forward runs
+before any unit's and its post-backward after every unit's, so this is always safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torch import nn
+
+ROOT = 0
+"""The root unit's index; block units follow in module order."""
+
+
+@dataclass
+class ParamRecord:
+    """One unique parameter of the model."""
+
+    name: str
+    """Its first name in `model.named_parameters()` order."""
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    """Every (module, attribute) slot that holds this parameter object."""
+
+
+@dataclass
+class UnitPlan:
+    name: str
+    """The module's qualified name; '' for the root."""
+    module: nn.Module
+    params: list[ParamRecord] = field(default_factory=list)
+
+
+def plan_units(model: nn.Module, unit_modules: Sequence[str] = ()) -> list[UnitPlan]:
+    """Split `model` into units; index 0 is the root. Units without parameters are dropped
+    (nothing to gather), the root is always present."""
+    wanted = set(unit_modules)
+    unit_mods: list[tuple[str, nn.Module]] = []
+    seen_units: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str, inside_unit: bool) -> None:
+        for child_name, child in module.named_children():
+            fqn = f"{prefix}{child_name}"
+            if wanted:
+                is_unit = type(child).__name__ in wanted
+            else:
+                is_unit = isinstance(module, nn.ModuleList)
+            if is_unit and not inside_unit and id(child) not in seen_units:
+                seen_units.add(id(child))
+                unit_mods.append((fqn, child))
+                visit(child, fqn + ".", True)
+            else:
+                visit(child, fqn + ".", inside_unit)
+
+    visit(model, "", False)
+    if wanted:
+        found = {type(m).__name__ for _, m in unit_mods}
+        missing = sorted(wanted - found - {type(model).__name__})
+        if missing:
+            raise ValueError(
+                f"unit_modules names {missing}, but the model has no module of that class; "
+                f"module classes present: {sorted({type(m).__name__ for m in model.modules()})}"
+            )
+
+    # Which units can reach each module (a module object may sit in several places).
+    module_units: dict[int, set[int]] = {}
+    for u, (_, umod) in enumerate(unit_mods, start=1):
+        for m in umod.modules():
+            module_units.setdefault(id(m), set()).add(u)
+
+    records: dict[int, ParamRecord] = {}
+    for name, p in model.named_parameters():
+        records[id(p)] = ParamRecord(name, p)
+    for m in model.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                records[id(p)].owners.append((m, attr))
+
+    plans = [UnitPlan("", model)] + [UnitPlan(n, m) for n, m in unit_mods]
+    for rec in records.values():
+        units: set[int] = set()
+        for m, _ in rec.owners:
+            units |= module_units.get(id(m), {ROOT})
+        owner = units.pop() if len(units) == 1 else ROOT
+        plans[owner].params.append(rec)
+    return [plans[0]] + [p for p in plans[1:] if p.params]

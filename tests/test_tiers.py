@@ -1,0 +1,79 @@
+"""The tier interface: allocate, fetch, store, view, free, and the bytes it reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.tiers import DeviceTier, HostTier, make_param_tier
+
+
+@pytest.mark.parametrize("make", [lambda: DeviceTier(torch.device("cpu")), lambda: HostTier(pin_memory=True)])
+def test_roundtrip_and_accounting(make):
+    tier = make()
+    shard = tier.allocate("u0", 100, torch.bfloat16)
+    assert torch.count_nonzero(shard) == 0  # zero-filled
+    src = torch.arange(100, dtype=torch.bfloat16)
+    tier.store("u0", src)
+    out = torch.empty(100, dtype=torch.bfloat16)
+    tier.fetch("u0", out)
+    assert torch.equal(out, src)
+    assert torch.equal(tier.view("u0"), src)
+    assert tier.bytes_allocated() == 200
+    tier.allocate("u1", 10, torch.float32)
+    assert tier.bytes_allocated() == 240
+    tier.free("u0")
+    assert tier.bytes_allocated() == 40
+    assert "u0" not in tier and "u1" in tier
+
+
+def test_mismatched_buffer_is_a_clear_error():
+    tier = HostTier(pin_memory=False)
+    tier.allocate("u", 8, torch.float32)
+    with pytest.raises(ValueError, match="8 x torch.float32"):
+        tier.fetch("u", torch.empty(9))
+    with pytest.raises(ValueError, match="must match"):
+        tier.store("u", torch.empty(8, dtype=torch.bfloat16))
+    with pytest.raises(KeyError, match="already allocated"):
+        tier.allocate("u", 8, torch.float32)
+
+
+def test_adopt_shares_bytes_and_counts_once():
+    tier = HostTier(pin_memory=False)
+    master = torch.zeros(16)
+    tier.adopt("u", master)
+    master.fill_(3.0)
+    assert torch.equal(tier.view("u"), master)
+    assert tier.bytes_allocated() == 64
+    with pytest.raises(ValueError, match="contiguous"):
+        tier.adopt("v", torch.zeros(4, 4).t())
+
+
+def test_host_tier_does_not_pin_without_cuda():
+    assert HostTier(pin_memory=True).pin_memory == torch.cuda.is_available()
+
+
+def test_param_tier_choice():
+    cpu = torch.device("cpu")
+    assert make_param_tier("device", cpu, True).kind == "device"
+    assert make_param_tier("cpu", cpu, True).kind == "host"
+    with pytest.raises(NotImplementedError, match="nvme"):
+        make_param_tier("nvme", cpu, True)
+    with pytest.raises(ValueError, match="allowed"):
+        make_param_tier("disk", cpu, True)
+
+
+@pytest.mark.cuda
+def test_host_tier_is_pinned_and_copies_to_gpu():
+    tier = HostTier(pin_memory=True)
+    shard = tier.allocate("u", 1 << 20, torch.bfloat16)
+    assert shard.is_pinned()
+    shard.copy_(torch.randn(1 << 20).bfloat16())
+    out = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
+    tier.fetch("u", out)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), shard)
+    dev = DeviceTier(torch.device("cuda"))
+    dev.allocate("u", 1 << 20, torch.bfloat16)
+    dev.store("u", shard)
+    assert torch.equal(dev.view("u").cpu(), shard)
