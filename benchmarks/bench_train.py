@@ -246,7 +246,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = 2, 256, 4, 4096, 128, 4
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats or (5 if args.quick else 7)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )

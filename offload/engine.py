@@ -436,13 +436,11 @@ class Engine:
     def _reduce(self, unit: FlatUnit) -> None:
         """Reduce-scatter the unit's gradients into its host shard and free it."""
         st = self.states[unit.index]
-        track = self._tracks[unit.index]
         if st.grad.numel():
             have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
             st.grad_valid = True
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
         self._tracks[unit.index] = _Track()
-        del track
         if unit.index != ROOT:
             unit.free()
 

@@ -87,7 +87,7 @@ def mounted(kind: str, where: Path, *options: str):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def run_python(code: str, *, user: str | None = None) -> subprocess.CompletedProcess:
+def run_python(code: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter that imports offload from this checkout."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
