@@ -15,9 +15,10 @@ not advance), as torch skips parameters whose `.grad` is None.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -181,6 +182,45 @@ class ShardedAdam(torch.optim.Optimizer):
         # A unit that stays gathered (world size 1, aliased) already sees the new values;
         # any other is re-gathered from the updated shard before its next use.
 
+    @contextlib.contextmanager
+    def unit_state(self, index: int) -> Iterator[dict[str, Any]]:
+        """This rank's optimizer state of unit `index`, as host tensors, for reading.
+
+        Yields {"master", "exp_avg", "exp_avg_sq": 1-D host tensors, "slot_steps": list}.
+        The tensors are valid only inside the context: a tier that keeps the state off-host
+        (NVMe) reads it into pooled buffers and takes them back on exit. This is the one
+        way checkpoints and consolidation read optimizer state, unit by unit, so a model
+        larger than host memory streams through a bounded amount of it.
+        """
+        st = self._state_of(index)
+        yield {
+            "master": st.master,
+            "exp_avg": st.exp_avg,
+            "exp_avg_sq": st.exp_avg_sq,
+            "slot_steps": list(st.slot_steps),
+        }
+
+    def load_unit_state(self, index: int, state: Mapping[str, Any]) -> None:
+        """Overwrite unit `index`'s state (same keys as `unit_state`) and republish its
+        parameter shard from the new master. Shapes must match this engine's layout."""
+        st = self._state_of(index)
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            src, dst = state[name], getattr(st, name)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"unit {st.unit.name or '<root>'} {name}: saved shape {tuple(src.shape)} "
+                    f"!= this engine's {tuple(dst.shape)} (different model or world size)"
+                )
+            dst.copy_(src)
+        st.slot_steps = [int(s) for s in state["slot_steps"]]
+        _publish_master(self, st)
+
+    def _state_of(self, index: int) -> UnitOptimizerState:
+        for st in self.unit_states:
+            if st.unit.index == index:
+                return st
+        raise KeyError(f"no unit with index {index} (this engine has {len(self.unit_states)} units)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the shards and are cleared by `engine.step()` at each boundary;
         calling this between micro-batches discards the accumulated ones."""
@@ -214,19 +254,8 @@ class ShardedAdam(torch.optim.Optimizer):
             )
         for mine, theirs in zip(self.param_groups, groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
-        by_index = {st.unit.index: st for st in self.unit_states}
         for idx, s in state_dict["state"].items():
-            st = by_index[int(idx)]
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                src, dst = s[name], getattr(st, name)
-                if src.shape != dst.shape:
-                    raise ValueError(
-                        f"unit {st.unit.name or '<root>'} {name}: saved shape {tuple(src.shape)} "
-                        f"!= this engine's {tuple(dst.shape)} (different model or world size)"
-                    )
-                dst.copy_(src)
-            st.slot_steps = list(s["slot_steps"])
-            _publish_master(self, st)
+            self.load_unit_state(int(idx), s)
 
 
 def _publish_master(opt: ShardedAdam, st: UnitOptimizerState) -> None:

@@ -770,3 +770,28 @@ def test_original_parameters_are_released():
     gc.collect()
     assert all(r() is None for r in originals)  # only the shards hold the weights now
     assert engine.global_steps == 0
+
+
+def test_unit_state_round_trip_moves_parameters(tmp_path):
+    """unit_state/load_unit_state: the per-unit seam checkpoints stream through."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), make_config())
+    idx, targets = gpt_batches(1)[0]
+    engine.backward(engine(idx, targets))
+    engine.step()
+    opt = engine.optimizer
+    index = opt.unit_states[-1].unit.index
+    with opt.unit_state(index) as s:
+        saved = {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in s.items()}
+    assert saved["slot_steps"] and max(saved["slot_steps"]) == 1
+    before = engine.full_state_dict()
+    changed = dict(saved, master=saved["master"] + 1.0)
+    opt.load_unit_state(index, changed)
+    after = engine.full_state_dict()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert moved, "loading a new master republishes the parameters"
+    with pytest.raises(ValueError, match="saved shape"):
+        opt.load_unit_state(index, dict(saved, master=saved["master"][:-1]))
+    with pytest.raises(KeyError, match="no unit with index"):
+        with opt.unit_state(10_000):
+            pass
