@@ -172,7 +172,8 @@ def main() -> None:
     max_threads = len(os.sched_getaffinity(0))
     sizes_m = args.sizes or ([10, 50] if args.quick else [10, 50, 100, 200, 500])
     threads_list = args.threads or thread_counts(max_threads, args.quick)
-    repeats = args.repeats or (3 if args.quick else 5)
+    # Five rounds even when quick: on shared machines three medians still wander by 2x.
+    repeats = args.repeats or 5
     ds_cls, ds_reason = _load_deepspeed()
     if ds_cls is None:
         print(f"  [DeepSpeedCPUAdam] dropped: {ds_reason}")

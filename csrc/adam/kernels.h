@@ -29,7 +29,9 @@ KernelSet portable_kernels();
 KernelSet avx2_kernels();    // empty KernelSet when not built for x86-64
 KernelSet avx512_kernels();  // empty KernelSet when not built for x86-64
 
-// Elements per SIMD step of the widest kernel; chunk boundaries are multiples of it.
+// Chunk boundaries are multiples of this many elements: a whole number of the widest
+// kernel's iterations (32), and whole cache lines for 2-byte and 4-byte arrays alike, so
+// threads working on neighbouring chunks never write the same line.
 constexpr size_t kChunkAlignElems = 64;
 
 // Builds the selector's switch over the dtype combinations for a kernel template
