@@ -444,8 +444,18 @@ class OffloadConfig(_Section):
     """Pinned (page-locked) host buffers when CUDA is in use."""
     pinned_budget_bytes: int = 1 << 30
     """Upper bound on pinned host staging buffers for the NVMe tier, in bytes."""
+    placement: Literal["manual", "auto"] = "manual"
+    """manual = use param_tier and optimizer_tier as given; auto = `initialize` runs the
+    memory planner (offload.plan) on this machine and picks the fastest placement that fits
+    (an nvme one only when nvme_path is set), logging its choice."""
 
     def _check(self) -> None:
+        if self.placement == "auto" and (self.param_tier, self.optimizer_tier) != ("cpu", "cpu"):
+            raise ConfigError(self._key("placement"),
+                              f"= 'auto' chooses the tiers, but param_tier={self.param_tier!r} / "
+                              f"optimizer_tier={self.optimizer_tier!r} were also set",
+                              "either leave the tiers out and keep placement 'auto', or set the "
+                              "tiers with placement 'manual'")
         for tier_key in ("param_tier", "optimizer_tier"):
             if getattr(self, tier_key) == "nvme" and not self.nvme_path:
                 raise ConfigError(self._key("nvme_path"),

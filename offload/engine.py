@@ -161,6 +161,12 @@ class Engine:
         self.pg = _dist.setup_process_group(device_type)
         self.device = _resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
+        self.placement_plan = None
+        if config.offload.placement == "auto":  # the planner picks the tiers (offload/plan.py)
+            from offload.plan import resolve_placement
+
+            config, self.placement_plan = resolve_placement(model, config, optimizer, self.pg, self.device)
+            self.config = config
         self.param_tier = make_param_tier(
             config.offload.param_tier, self.device, config.offload.pin_memory
         )
