@@ -1,0 +1,1 @@
+"""Drop-in entry points for users of other libraries (`offload.compat.deepspeed`)."""
