@@ -1,0 +1,345 @@
+"""The memory planner's figures are the engine's, and it recommends the right placement.
+
+The backbone: for several models (tied and untied TinyGPT, frozen parameters, param groups),
+dtypes, moment dtypes and parameter tiers, `plan(...)`'s bytes per tier equal what
+`Engine.memory_bytes()` reports after a training step, exactly (world size 1 in process,
+world size 2 in two real processes: the largest rank and the node's sum). The planner is
+given a copy of the model built on the meta device, so it never reads a value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import offload.plan as plan_mod
+from offload.config import Config, ConfigError, OffloadConfig
+from offload.plan import Machine, make_machine, parse_bytes, parse_count, plan
+from tests.conftest import TinyGPT, gpt_batches, run_distributed
+
+GiB, TiB = 1 << 30, 1 << 40
+
+
+def cpu_machine(world_size: int = 1) -> Machine:
+    return make_machine(gpus=0, cpu_mem="64GiB", world_size=world_size)
+
+
+def frozen_gpt() -> nn.Module:
+    m = TinyGPT(n_layer=3)
+    m.wpe.weight.requires_grad_(False)
+    m.blocks[0].requires_grad_(False)          # a unit with no trainable parameter
+    m.blocks[1].fc.requires_grad_(False)       # frozen parameters inside a trained unit
+    return m
+
+
+MODELS = {
+    "gpt": lambda: TinyGPT(),
+    "gpt_untied_wide": lambda: TinyGPT(d_model=48, n_layer=3, n_head=4, tie=False),
+    "gpt_frozen": frozen_gpt,
+}
+
+
+def on_meta(name: str) -> nn.Module:
+    with torch.device("meta"):
+        return MODELS[name]()
+
+
+def config(dtype: str, moments: str = "fp32", param_tier: str = "cpu", optimizer_tier: str = "cpu",
+           nvme_path=None) -> Config:
+    return Config(compute_device="cpu",
+                  offload=OffloadConfig(param_tier=param_tier, optimizer_tier=optimizer_tier,
+                                        nvme_path=nvme_path),
+                  precision={"dtype": dtype}, optimizer={"moments_dtype": moments})
+
+
+def train_one_step(engine, rank: int = 0, world_size: int = 1) -> None:
+    for x, y in gpt_batches(1, seq=16, vocab=64):
+        n = x.shape[0] // world_size
+        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        engine.step()
+
+
+# -- the planner's figures are the engine's ------------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("dtype,moments", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"),
+                                           ("fp16", "fp32")])
+@pytest.mark.parametrize("param_tier", ["device", "cpu"])
+def test_plan_equals_engine_memory_bytes(model, dtype, moments, param_tier):
+    cfg = config(dtype, moments, param_tier)
+    torch.manual_seed(0)
+    engine = offload.initialize(MODELS[model](), cfg)
+    train_one_step(engine)
+    measured = engine.memory_bytes()
+    est = plan(on_meta(model), machine=cpu_machine(), config=cfg).estimate(param_tier, "cpu")
+    assert est.per_rank.as_dict() == measured
+    assert est.per_node.as_dict() == measured  # one rank on the node
+    engine.close()
+
+
+def test_plan_honours_param_groups_like_initialize():
+    # Groups change the layout (group order, alignment between groups) and a parameter in no
+    # group gets no moments: the planner takes the same `optimizer=` as initialize.
+    cfg = config("bf16")
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2 and "ln_f" not in n]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    torch.manual_seed(0)
+    m = TinyGPT(n_layer=3)
+    engine = offload.initialize(m, cfg, optimizer=groups(m))
+    train_one_step(engine)
+    with torch.device("meta"):
+        meta = TinyGPT(n_layer=3)
+    est = plan(meta, machine=cpu_machine(), config=cfg, optimizer=groups(meta)).estimate("cpu", "cpu")
+    assert est.per_rank.as_dict() == engine.memory_bytes()
+    engine.close()
+
+
+def _ws2_memory(rank: int, world_size: int, dtype: str, param_tier: str):
+    cfg = config(dtype, "fp32", param_tier)
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(n_layer=3), cfg)
+    resident = engine.memory_bytes()["device"]
+    peak = [0]
+
+    def sample(*_):  # inside a block's forward: the block and the root are gathered
+        peak[0] = max(peak[0], engine.memory_bytes()["device"])
+
+    for blk in engine.module.blocks:
+        blk.ln1.register_forward_pre_hook(sample)
+    train_one_step(engine, rank, world_size)
+    out = engine.memory_bytes(), peak[0] - resident
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype,param_tier", [("bf16", "cpu"), ("fp32", "device")])
+def test_plan_equals_engine_memory_bytes_world_size_2(dtype, param_tier):
+    (m0, gathered0), (m1, gathered1) = run_distributed(_ws2_memory, 2, dtype, param_tier,
+                                                       init_group=False)
+    with torch.device("meta"):
+        meta = TinyGPT(n_layer=3)
+    est = plan(meta, machine=cpu_machine(world_size=2), config=config(dtype, "fp32", param_tier)
+               ).estimate(param_tier, "cpu")
+    assert m0 != m1  # the last rank's moments cover less (padding): the ranks really differ
+    assert est.per_rank.as_dict() == {k: max(m0[k], m1[k]) for k in m0}
+    assert est.per_node.as_dict() == {k: m0[k] + m1[k] for k in m0}
+    # The working-set estimate covers what the engine gathered during forward.
+    assert 0 < max(gathered0, gathered1) <= est.working_device_bytes
+
+
+def _nvme_available() -> bool:
+    return plan_mod.nvme_tier_available()
+
+
+@pytest.mark.skipif(not _nvme_available(), reason="this build has no NVMe tier (offload.tiers "
+                    "has no Tier of kind 'nvme'); the NVMe cases run once it lands")
+@pytest.mark.parametrize("param_tier,optimizer_tier", [("nvme", "cpu"), ("device", "nvme"),
+                                                       ("cpu", "nvme"), ("nvme", "nvme")])
+def test_plan_equals_engine_memory_bytes_nvme(tmp_path, param_tier, optimizer_tier):
+    cfg = config("bf16", "fp32", param_tier, optimizer_tier, nvme_path=str(tmp_path))
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(n_layer=3), cfg)
+    train_one_step(engine)
+    machine = make_machine(gpus=0, cpu_mem="64GiB", nvme_free="1TiB")
+    est = plan(on_meta("gpt"), machine=machine, config=cfg).estimate(param_tier, optimizer_tier)
+    assert est.per_rank.as_dict() == engine.memory_bytes()
+    engine.close()
+
+
+# -- bytes per parameter for a bare count ----------------------------------------------------
+
+
+def test_count_plan_bytes_per_parameter_match_the_design_numbers():
+    # DESIGN.md: bf16 param 2 B, fp32 grad 4, master 4, moments 8 -> 18 B/param in host
+    # memory with params on the host; padding adds < 0.1% at this size.
+    n = 10**9
+    p = plan(n, machine=make_machine(gpus=0, cpu_mem="1TiB"), dtype="bf16")
+    host = p.estimate("cpu", "cpu").per_rank.host
+    assert 18 * n <= host < 18 * n * 1.001
+    p = plan(n, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="1TiB"), dtype="bf16",
+             moments="bf16", units=100)
+    e = p.estimate("device", "cpu")
+    assert 2 * n <= e.per_rank.device < 2 * n * 1.001      # the bf16 shard on the GPU
+    # host: grad 4 + master 4 + bf16 moments 4, plus one unit's staging buffer
+    assert 12 * n <= e.per_rank.host < 12 * n * 1.01
+
+
+def test_world_size_divides_per_rank_and_node_sums_ranks():
+    one = plan(7e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="2TiB")).estimate("cpu", "cpu")
+    eight = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB")).estimate("cpu", "cpu")
+    assert one.per_rank.host / 8 <= eight.per_rank.host < one.per_rank.host / 8 * 1.01
+    assert one.per_rank.host <= eight.per_node.host < one.per_rank.host * 1.01
+    two_nodes = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB", world_size=16))
+    e = two_nodes.estimate("cpu", "cpu")
+    assert two_nodes.machine.nodes == 2
+    assert e.per_node.host < eight.per_node.host / 2 * 1.01
+
+
+# -- recommendations on synthetic machines ---------------------------------------------------
+
+
+def test_7b_on_one_gpu_with_little_ram_goes_to_nvme():
+    m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
+    p = plan(7e9, machine=m)
+    assert p.recommended is not None
+    assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "nvme")
+    assert "faster placements do not fit (device/cpu, cpu/cpu, nvme/cpu)" in p.reason
+    assert any("host" in why for why in p.estimate("cpu", "cpu").problems)
+
+
+def test_without_nvme_no_nvme_placement_is_chosen():
+    m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB")
+    p = plan(7e9, machine=m)
+    assert p.recommended is None
+    for e in p.estimates:
+        if "nvme" in (e.param_tier, e.optimizer_tier):
+            assert not e.fits and any("no NVMe" in why for why in e.problems)
+    assert "no placement fits" in str(p)
+
+
+def test_small_model_stays_on_the_device():
+    m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
+    p = plan(125e6, machine=m)
+    assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "cpu")
+
+
+def test_70b_on_8_gpus_pages_the_optimizer():
+    m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="512GiB", nvme_free="8TiB")
+    p = plan(70e9, machine=m)
+    assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "nvme")
+    m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB", nvme_free="8TiB")
+    assert plan(70e9, machine=m).recommended.name == "device/cpu"
+
+
+def test_params_on_nvme_beat_optimizer_on_nvme_when_only_params_do_not_fit():
+    # Host memory between what nvme/cpu and cpu/cpu need; a GPU too small for the shards.
+    base = dict(gpus=1, gpu_mem="8GiB", nvme_free="1TiB", cpu_reserve=0)
+    probe = plan(6e9, machine=make_machine(cpu_mem="4TiB", **base))
+    need_cpu = probe.estimate("cpu", "cpu").per_node.host
+    need_nvme = probe.estimate("nvme", "cpu").per_node.host
+    assert need_nvme < need_cpu
+    p = plan(6e9, machine=make_machine(cpu_mem=(need_cpu + need_nvme) // 2, **base))
+    assert not p.estimate("device", "cpu").fits and not p.estimate("cpu", "cpu").fits
+    assert p.estimate("cpu", "nvme").fits  # fits too, but moves 4x the disk bytes
+    assert p.recommended.name == "nvme/cpu"
+    assert 4 * p.estimate("nvme", "cpu").disk_bytes_per_step == p.estimate("cpu", "nvme").disk_bytes_per_step
+
+
+def test_reserve_is_held_back_from_the_gpu():
+    # 7B bf16 shards (14 GB) fit an 16 GiB GPU only without the default 20% reserve.
+    kw = dict(gpus=1, gpu_mem="16GiB", cpu_mem="1TiB")
+    assert plan(7e9, machine=make_machine(**kw)).recommended.name == "cpu/cpu"
+    assert plan(7e9, machine=make_machine(gpu_reserve="0.5GiB", **kw)).recommended.name == "device/cpu"
+
+
+def test_frozen_parameters_get_no_optimizer_state():
+    m = make_machine(gpus=0, cpu_mem="1TiB")
+    full = plan_mod._frozen_split_model(10**8, 10**8, 4)
+    lora = plan_mod._frozen_split_model(10**8, 10**6, 4)
+    a = plan(full, machine=m, dtype="bf16").estimate("cpu", "cpu")
+    b = plan(lora, machine=m, dtype="bf16").estimate("cpu", "cpu")
+    # trainable: shard 2 + master 4 + grad 4 + moments 8 = 18 B; frozen: 2 + 4 + 4 (the
+    # unit has trainable parameters, so its gradient shard spans it) = 10 B.
+    assert a.per_rank.host == pytest.approx(18 * 10**8, rel=1e-3)
+    assert b.per_rank.host == pytest.approx((10 * 99 + 18) * 10**6, rel=1e-3)
+    assert plan_mod.plan(full, machine=m).trainable_params == 10**8
+    assert plan_mod.plan(lora, machine=m).trainable_params == 10**6
+
+
+def test_nvme_placements_excluded_when_the_build_lacks_the_tier(monkeypatch):
+    monkeypatch.setattr(plan_mod, "nvme_tier_available", lambda: False)
+    m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
+    p = plan(7e9, machine=m, require_available=True)
+    assert p.recommended is None
+    assert "this build has no NVMe tier" in p.estimate("device", "nvme").problems
+
+
+# -- parsing and the CLI ----------------------------------------------------------------------
+
+
+def test_parse_sizes_and_counts():
+    assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("2TiB") == 2 * TiB
+    assert parse_bytes("512GB") == 512 * 10**9 and parse_bytes("1.5e9") == 1_500_000_000
+    assert parse_count("7e9") == 7 * 10**9 and parse_count("7B") == 7 * 10**9
+    assert parse_count("350M") == 350 * 10**6
+    with pytest.raises(ValueError, match="80 gibibytes"):
+        parse_bytes("80 gibibytes")
+    with pytest.raises(ValueError, match="7e9, 7B or 350M"):
+        parse_count("seven")
+
+
+def test_cli_prints_the_table_and_the_recommendation(capsys):
+    rc = plan_mod.main(["--params", "7e9", "--gpus", "1", "--gpu-mem", "80GiB", "--cpu-mem", "64GiB",
+                        "--nvme-free", "2TiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "7.00B parameters" in out and "NOT modelled" in out
+    for pt, ot in plan_mod.PLACEMENTS:
+        assert any(line.split()[:2] == [pt, ot] for line in out.splitlines())
+    assert "recommended: params device, optimizer nvme" in out
+    assert '"optimizer_tier": "nvme"' in out
+
+
+def test_cli_json_and_exit_code_when_nothing_fits(capsys):
+    rc = plan_mod.main(["--params", "70B", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB",
+                        "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["recommended"] is None
+    assert [(p["param_tier"], p["optimizer_tier"]) for p in data["placements"]] == list(plan_mod.PLACEMENTS)
+
+
+def test_python_dash_m_offload_plan():
+    out = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "125M", "--gpus", "0",
+                          "--cpu-mem", "16GiB"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: params device, optimizer cpu" in out.stdout
+
+
+def test_cli_errors_are_clear(capsys):
+    with pytest.raises(SystemExit):
+        plan_mod.main(["--params", "lots"])
+    assert "cannot read 'lots' as a parameter count" in capsys.readouterr().err
+
+
+# -- placement: "auto" ------------------------------------------------------------------------
+
+
+def test_placement_auto_picks_and_logs(caplog):
+    cfg = Config(compute_device="cpu", offload={"placement": "auto"}, precision={"dtype": "bf16"})
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        engine = offload.initialize(TinyGPT(), cfg)
+    # A CPU run with memory to spare: the fastest placement, parameters on the device.
+    assert (engine.config.offload.param_tier, engine.config.offload.optimizer_tier) == ("device", "cpu")
+    assert engine.placement_plan.recommended.name == "device/cpu"
+    assert "offload.placement='auto' chose params=device, optimizer=cpu" in caplog.text
+    train_one_step(engine)  # and it trains
+    engine.close()
+
+
+def test_placement_auto_never_picks_nvme_without_nvme_path(monkeypatch):
+    # Too little host memory for anything in memory, and no nvme_path: nothing fits.
+    monkeypatch.setattr(plan_mod, "_mem_available_bytes", lambda: 1 << 10)
+    cfg = Config(compute_device="cpu", offload={"placement": "auto"})
+    with pytest.raises(MemoryError, match="offload.placement='auto'.*host") as info:
+        offload.initialize(TinyGPT(), cfg)
+    assert "no NVMe" in str(info.value)
+
+
+def test_placement_auto_with_explicit_tiers_is_a_config_error():
+    with pytest.raises(ConfigError, match="offload.placement = 'auto' chooses the tiers"):
+        OffloadConfig(placement="auto", param_tier="nvme", nvme_path="/x")
+    with pytest.raises(ConfigError, match="offload.placement"):
+        OffloadConfig(placement="sometimes")
