@@ -1,0 +1,229 @@
+"""`offload.compat.deepspeed`: a DeepSpeed script, switched by its import, trains exactly as
+`offload.initialize` with the same config.
+
+The DeepSpeed-style path and the direct path run the same engine on the same data, so
+parameters must be bit-identical (torch.equal): any difference means the wrapper changed
+the config, the param groups, the schedule, the batches or the accumulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import offload
+import offload.compat.deepspeed as deepspeed
+from offload.config import load_config
+from tests.conftest import TinyGPT, gpt_batches
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                          "offload_optimizer": {"device": "cpu"}},
+}
+
+
+@pytest.fixture(scope="module")
+def ds_user():
+    sys.path.insert(0, EXAMPLES)
+    try:
+        import deepspeed_user
+        import train_gpt
+
+        yield deepspeed_user, train_gpt
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+def test_deepspeed_script_trains_like_offload_initialize(ds_user):
+    deepspeed_user, train_gpt = ds_user
+    argv = ["--steps", "3", "--layers", "2", "--d-model", "32", "--vocab", "64", "--seq", "16",
+            "--samples", "64"]
+    ds_engine = deepspeed_user.main(argv)
+    got = ds_engine.engine.full_state_dict()
+    assert ds_engine.global_steps == 3 and ds_engine.global_samples == 3 * 8
+    ds_engine.destroy()
+
+    # The same run through offload.initialize: the example's DeepSpeed config, its model and
+    # dataset, and DeepSpeed's batching (DistributedSampler: a seed-0 permutation per epoch).
+    args = deepspeed_user.get_args(argv)
+    cfg = load_config(deepspeed_user.DS_CONFIG)
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq)
+    engine = offload.initialize(model, cfg)
+    data = deepspeed_user.make_dataset(args)
+    micro = cfg.train_micro_batch_size_per_gpu
+    epoch = 0
+    while engine.global_steps < 3:
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+        for i in range(0, len(order), micro):
+            x, y = data[order[i : i + micro]]
+            engine.backward(engine(x, y))
+            engine.step()
+            if engine.global_steps >= 3:
+                break
+        epoch += 1
+    want = engine.full_state_dict()
+    engine.close()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _gpt_and_data():
+    torch.manual_seed(0)
+    return TinyGPT(), gpt_batches(4, batch=4)
+
+
+def _train(engine, batches):
+    for x, y in batches:
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def test_initialize_returns_deepspeeds_four_values():
+    model, _ = _gpt_and_data()
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (20, 16)))
+    engine, optimizer, loader, sched = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), training_data=data,
+        config={**DS, "dataloader_drop_last": True,
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}})
+    assert isinstance(engine, deepspeed.DeepSpeedEngine)
+    assert optimizer is engine.optimizer is engine.engine.optimizer
+    assert sched is engine.lr_scheduler and sched is not None
+    assert loader.batch_size == 4 and len(loader) == 5  # 20 samples, drop_last
+    assert engine.train_batch_size() == 8 and engine.gradient_accumulation_steps() == 2
+    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.zero_optimization_stage() == 3
+    assert engine.global_rank == 0 and engine.world_size == 1 and engine.local_rank == 0
+    assert engine.module is model and not engine.bfloat16_enabled()
+    assert engine.lm_head is model.lm_head  # other attributes fall through to the model
+    engine.destroy()
+
+
+def test_client_optimizer_and_its_scheduler_drive_the_engine():
+    def build(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+
+    # The config has no optimizer section: the client optimizer's hyperparameters rule.
+    cfg = {k: v for k, v in DS.items() if k != "optimizer"} | {"gradient_accumulation_steps": 1}
+    model, batches = _gpt_and_data()
+    ref_model = copy.deepcopy(model)
+    opt, sched = build(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+        got = _train(engine, batches)
+    assert lr_scheduler is sched and sched.optimizer is engine.optimizer
+    assert engine.get_lr() == [1e-3 * 0.5 ** 4]
+    ref_opt, _ = build(ref_model)
+    ref = offload.initialize(ref_model, load_config(cfg), optimizer=ref_opt,
+                             lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s))
+    want = _train(ref, batches)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    engine.destroy()
+    ref.close()
+
+
+def test_callable_optimizer_and_scale_wrt_gas_false():
+    model, batches = _gpt_and_data()
+    ref_model = copy.deepcopy(model)
+    cfg = {k: v for k, v in DS.items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), config=cfg)
+    for x, y in batches:
+        engine.backward(engine(x, y), scale_wrt_gas=False)  # sum over micro-batches
+        engine.step()
+    got = engine.engine.full_state_dict()
+    ref = offload.initialize(ref_model, load_config(cfg), optimizer=torch.optim.AdamW(ref_model.parameters(), lr=3e-3))
+    for x, y in batches:
+        ref.backward(ref(x, y) * 2)  # accumulation 2: the engine divides by 2 at the step
+        ref.step()
+    want = ref.full_state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    engine.destroy()
+    ref.close()
+
+
+def test_config_from_args_deepspeed_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    model, _ = _gpt_and_data()
+    engine, *_ = deepspeed.initialize(args=args, model=model)
+    assert engine.gradient_clipping() == 1.0 and engine.optimizer.param_groups[0]["lr"] == 2e-3
+    engine.destroy()
+    with pytest.raises(ValueError, match="both as args.deepspeed_config and as initialize"):
+        deepspeed.initialize(args=args, model=TinyGPT(), config=DS)
+    with pytest.raises(ValueError, match="--deepspeed_config"):
+        deepspeed.initialize(model=TinyGPT())
+
+
+def test_unsupported_arguments_are_named():
+    with pytest.raises(NotImplementedError, match=r"mpu=\.\.\..*drop mpu"):
+        deepspeed.initialize(model=TinyGPT(), config=DS, mpu=object())
+    with pytest.raises(NotImplementedError, match="GatheredParameters"):
+        deepspeed.zero.GatheredParameters([])
+    engine, *_ = deepspeed.initialize(model=TinyGPT(), config=DS)
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    with pytest.raises(NotImplementedError, match="lr_kwargs"):
+        engine.step(lr_kwargs={"increment": 1})
+    with pytest.raises(NotImplementedError, match=r"backward\(allreduce_gradients=\.\.\.\)"):
+        engine.backward(engine(x, y), allreduce_gradients=False)
+    engine.destroy()
+
+
+def test_zero_init_builds_on_meta_like_a_plain_construction():
+    torch.manual_seed(0)
+    plain = TinyGPT().state_dict()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=DS):
+        model = TinyGPT()
+    assert all(p.is_meta for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=DS)
+    built = engine.engine.full_state_dict()
+    for k in plain:
+        assert torch.equal(built[k], plain[k]), k
+    engine.destroy()
+
+
+def test_checkpoints_go_to_the_engine_or_say_they_are_missing(tmp_path):
+    model, batches = _gpt_and_data()
+    engine, *_ = deepspeed.initialize(model=model, config=DS)
+    _train(engine, batches[:2])
+    if not hasattr(offload.Engine, "save_checkpoint"):
+        with pytest.raises(NotImplementedError, match="no checkpoints"):
+            engine.save_checkpoint(tmp_path)
+        with pytest.raises(NotImplementedError, match="no checkpoints"):
+            engine.load_checkpoint(tmp_path)
+    else:
+        engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3})
+        before = engine.engine.full_state_dict()
+        _train(engine, batches[2:])
+        path, client = engine.load_checkpoint(str(tmp_path))
+        assert client["epoch"] == 3 and path
+        after = engine.engine.full_state_dict()
+        for k in before:
+            assert torch.equal(before[k], after[k]), k
+    engine.save_16bit_model(str(tmp_path / "weights"))
+    saved = torch.load(tmp_path / "weights" / "pytorch_model.bin")
+    assert saved.keys() == engine.engine.full_state_dict().keys()
+    engine.destroy()
