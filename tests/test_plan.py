@@ -177,11 +177,11 @@ def test_count_plan_bytes_per_parameter_match_the_design_numbers():
 
 
 def test_world_size_divides_per_rank_and_node_sums_ranks():
-    one = plan(7e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="2TiB")).estimate("cpu", "cpu")
-    eight = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB")).estimate("cpu", "cpu")
+    one = plan(7e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="2TiB"), dtype="bf16").estimate("cpu", "cpu")
+    eight = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB"), dtype="bf16").estimate("cpu", "cpu")
     assert one.per_rank.host / 8 <= eight.per_rank.host < one.per_rank.host / 8 * 1.01
     assert one.per_rank.host <= eight.per_node.host < one.per_rank.host * 1.01
-    two_nodes = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB", world_size=16))
+    two_nodes = plan(7e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB", world_size=16), dtype="bf16")
     e = two_nodes.estimate("cpu", "cpu")
     assert two_nodes.machine.nodes == 2
     assert e.per_node.host < eight.per_node.host / 2 * 1.01
@@ -192,7 +192,7 @@ def test_world_size_divides_per_rank_and_node_sums_ranks():
 
 def test_7b_on_one_gpu_with_little_ram_goes_to_nvme():
     m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
-    p = plan(7e9, machine=m)
+    p = plan(7e9, machine=m, dtype="bf16")
     assert p.recommended is not None
     assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "nvme")
     assert "faster placements do not fit (device/cpu, cpu/cpu, nvme/cpu)" in p.reason
@@ -201,7 +201,7 @@ def test_7b_on_one_gpu_with_little_ram_goes_to_nvme():
 
 def test_without_nvme_no_nvme_placement_is_chosen():
     m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB")
-    p = plan(7e9, machine=m)
+    p = plan(7e9, machine=m, dtype="bf16")
     assert p.recommended is None
     for e in p.estimates:
         if "nvme" in (e.param_tier, e.optimizer_tier):
@@ -211,26 +211,26 @@ def test_without_nvme_no_nvme_placement_is_chosen():
 
 def test_small_model_stays_on_the_device():
     m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
-    p = plan(125e6, machine=m)
+    p = plan(125e6, machine=m, dtype="bf16")
     assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "cpu")
 
 
 def test_70b_on_8_gpus_pages_the_optimizer():
     m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="512GiB", nvme_free="8TiB")
-    p = plan(70e9, machine=m)
+    p = plan(70e9, machine=m, dtype="bf16")
     assert (p.recommended.param_tier, p.recommended.optimizer_tier) == ("device", "nvme")
     m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB", nvme_free="8TiB")
-    assert plan(70e9, machine=m).recommended.name == "device/cpu"
+    assert plan(70e9, machine=m, dtype="bf16").recommended.name == "device/cpu"
 
 
 def test_params_on_nvme_beat_optimizer_on_nvme_when_only_params_do_not_fit():
     # Host memory between what nvme/cpu and cpu/cpu need; a GPU too small for the shards.
     base = dict(gpus=1, gpu_mem="8GiB", nvme_free="1TiB", cpu_reserve=0)
-    probe = plan(6e9, machine=make_machine(cpu_mem="4TiB", **base))
+    probe = plan(6e9, machine=make_machine(cpu_mem="4TiB", **base), dtype="bf16")
     need_cpu = probe.estimate("cpu", "cpu").per_node.host
     need_nvme = probe.estimate("nvme", "cpu").per_node.host
     assert need_nvme < need_cpu
-    p = plan(6e9, machine=make_machine(cpu_mem=(need_cpu + need_nvme) // 2, **base))
+    p = plan(6e9, machine=make_machine(cpu_mem=(need_cpu + need_nvme) // 2, **base), dtype="bf16")
     assert not p.estimate("device", "cpu").fits and not p.estimate("cpu", "cpu").fits
     assert p.estimate("cpu", "nvme").fits  # fits too, but moves 4x the disk bytes
     assert p.recommended.name == "nvme/cpu"
@@ -240,8 +240,8 @@ def test_params_on_nvme_beat_optimizer_on_nvme_when_only_params_do_not_fit():
 def test_reserve_is_held_back_from_the_gpu():
     # 7B bf16 shards (14 GB) fit an 16 GiB GPU only without the default 20% reserve.
     kw = dict(gpus=1, gpu_mem="16GiB", cpu_mem="1TiB")
-    assert plan(7e9, machine=make_machine(**kw)).recommended.name == "cpu/cpu"
-    assert plan(7e9, machine=make_machine(gpu_reserve="0.5GiB", **kw)).recommended.name == "device/cpu"
+    assert plan(7e9, machine=make_machine(**kw), dtype="bf16").recommended.name == "cpu/cpu"
+    assert plan(7e9, machine=make_machine(gpu_reserve="0.5GiB", **kw), dtype="bf16").recommended.name == "device/cpu"
 
 
 def test_frozen_parameters_get_no_optimizer_state():
@@ -261,7 +261,7 @@ def test_frozen_parameters_get_no_optimizer_state():
 def test_nvme_placements_excluded_when_the_build_lacks_the_tier(monkeypatch):
     monkeypatch.setattr(plan_mod, "nvme_tier_available", lambda: False)
     m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
-    p = plan(7e9, machine=m, require_available=True)
+    p = plan(7e9, machine=m, dtype="bf16", require_available=True)
     assert p.recommended is None
     assert "this build has no NVMe tier" in p.estimate("device", "nvme").problems
 
