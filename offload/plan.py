@@ -340,19 +340,26 @@ class TierBytes:
     device: int = 0
     """Compute-device memory (GPU; host memory on a CPU run)."""
     host: int = 0
-    """Host memory (pinned on a GPU run)."""
+    """Host memory: shards, master, moments, gradients (pinned where a GPU copies them)."""
+    pinned: int = 0
+    """The NVMe tier's pinned staging pool (host memory too): its budget, an upper bound."""
     nvme: int = 0
     """Swap-file bytes."""
 
     def __add__(self, other: "TierBytes") -> "TierBytes":
-        return TierBytes(self.device + other.device, self.host + other.host, self.nvme + other.nvme)
+        return TierBytes(self.device + other.device, self.host + other.host,
+                         self.pinned + other.pinned, self.nvme + other.nvme)
 
     def max(self, other: "TierBytes") -> "TierBytes":
         return TierBytes(max(self.device, other.device), max(self.host, other.host),
-                         max(self.nvme, other.nvme))
+                         max(self.pinned, other.pinned), max(self.nvme, other.nvme))
+
+    @property
+    def host_total(self) -> int:
+        return self.host + self.pinned
 
     def as_dict(self) -> dict[str, int]:
-        return {"device": self.device, "host": self.host, "nvme": self.nvme}
+        return {"device": self.device, "host": self.host, "pinned": self.pinned, "nvme": self.nvme}
 
 
 def _nvme(nbytes: int) -> int:
@@ -376,7 +383,7 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
     - buffers: on the compute device.
     - the optimizer's low-precision staging buffer (one largest shard, host) exists when
       the parameter shard is not host memory: param_tier device on a GPU, or nvme.
-    - with any NVMe tier, the pinned staging pool: at most `pinned_budget_bytes` of host.
+    - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
     """
     dev = host = nvme = 0
     shard_in_host = param_tier == "cpu" or (param_tier == "device" and not on_gpu)
@@ -407,9 +414,8 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
             staging = max(staging, shard * p_bytes)
     dev += spec.buffer_bytes
     host += staging
-    if "nvme" in (param_tier, optimizer_tier):
-        host += pinned_budget_bytes
-    return TierBytes(dev, host, nvme)
+    pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0
+    return TierBytes(dev, host, pinned, nvme)
 
 
 def _working_bytes(spec: _ModelSpec, param_tier: str, *, p_bytes: int, on_gpu: bool,
@@ -512,16 +518,18 @@ class Plan:
             f"{', NVMe ' + _fmt(m.nvme_reserve_bytes) + ' per node' if m.nvme_free_bytes is not None else ''}",
             "activations are the model's and are NOT modelled: the reserves must hold them "
             "(and the CUDA context); 'work' is the engine's gathered parameters and gradient "
-            "buffers during forward/backward (estimate).",
+            "buffers during forward/backward (estimate); 'pinned' is the NVMe staging budget; "
+            "host/node includes it.",
             "",
         ]
-        head = ["params", "optimizer", f"{gpu_word}/rank", "work/rank", "host/rank", "nvme/rank",
-                "host/node", "nvme/node", "disk/step", "fits"]
+        head = ["params", "optimizer", f"{gpu_word}/rank", "work/rank", "host/rank", "pinned/rank",
+                "nvme/rank", "host/node", "nvme/node", "disk/step", "fits"]
         rows = []
         for e in self.estimates:
             rows.append([e.param_tier, e.optimizer_tier, _fmt(e.per_rank.device),
-                         _fmt(e.working_device_bytes), _fmt(e.per_rank.host), _fmt(e.per_rank.nvme),
-                         _fmt(e.per_node.host), _fmt(e.per_node.nvme), _fmt(e.disk_bytes_per_step),
+                         _fmt(e.working_device_bytes), _fmt(e.per_rank.host), _fmt(e.per_rank.pinned),
+                         _fmt(e.per_rank.nvme), _fmt(e.per_node.host_total), _fmt(e.per_node.nvme),
+                         _fmt(e.disk_bytes_per_step),
                          "yes" if e.fits else "no: " + "; ".join(e.problems)])
         widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head) - 1)]
         fmt_row = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
@@ -648,10 +656,10 @@ def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, 
         gpu_cap = (m.gpu_mem_bytes or 0) - m.gpu_reserve_bytes
         if rank.device + work > gpu_cap:
             out.append(f"GPU {_fmt(rank.device + work)} > {_fmt(gpu_cap)}")
-        host_need = node.host
+        host_need = node.host_total
     else:
         # A CPU run: device memory is host memory, and every local rank has a working set.
-        host_need = node.host + node.device + work * m.local_ranks
+        host_need = node.host_total + node.device + work * m.local_ranks
     host_cap = m.cpu_mem_bytes - m.cpu_reserve_bytes
     if host_need > host_cap:
         out.append(f"host {_fmt(host_need)} > {_fmt(host_cap)}")
