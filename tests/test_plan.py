@@ -160,7 +160,7 @@ def _nvme_available() -> bool:
 def test_plan_equals_engine_memory_bytes_nvme(tmp_path, param_tier, optimizer_tier):
     cfg = config("bf16", "fp32", param_tier, optimizer_tier, nvme_path=str(tmp_path))
     torch.manual_seed(0)
-    engine = offload.initialize(TinyGPT(n_layer=3), cfg)
+    engine = offload.initialize(TinyGPT(), cfg)
     train_one_step(engine)
     machine = make_machine(gpus=0, cpu_mem="64GiB", nvme_free="1TiB")
     est = plan(on_meta("gpt"), machine=machine, config=cfg).estimate(param_tier, optimizer_tier)
