@@ -382,7 +382,8 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
       compute device the full buffer is the shard: nothing more).
     - buffers: on the compute device.
     - the optimizer's low-precision staging buffer (one largest shard, host) exists when
-      the parameter shard is not host memory: param_tier device on a GPU, or nvme.
+      the parameter shard is GPU memory and the optimizer state is in host memory; with an
+      NVMe tier the new shard is written into the staging pool's scratch instead.
     - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
     """
     dev = host = nvme = 0
@@ -410,7 +411,8 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
                 dev += shard_b  # a CPU run: the compute device is host memory, counted apart
             else:
                 host += shard_b
-        if p_bytes != 4 and not shard_in_host and any(s.group != FROZEN_GROUP for s in layout.slots):
+        if (p_bytes != 4 and param_tier == "device" and on_gpu and optimizer_tier == "cpu"
+                and any(s.group != FROZEN_GROUP for s in layout.slots)):
             staging = max(staging, shard * p_bytes)
     dev += spec.buffer_bytes
     host += staging
