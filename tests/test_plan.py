@@ -95,6 +95,26 @@ def test_plan_equals_engine_memory_bytes(model, dtype, moments, param_tier):
     engine.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("param_tier", ["device", "cpu"])
+def test_plan_equals_engine_memory_bytes_cuda(dtype, param_tier):
+    # On a GPU: shards in GPU memory (device tier) or pinned host memory, the optimizer's
+    # low-precision staging buffer for GPU-resident shards, gradients pinned.
+    cfg = Config(compute_device="cuda", offload=OffloadConfig(param_tier=param_tier),
+                 precision={"dtype": dtype})
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(n_layer=3), cfg)
+    train_one_step(engine)
+    machine = make_machine(gpus=1, gpu_mem=torch.cuda.get_device_properties(0).total_memory,
+                           cpu_mem="64GiB")
+    with torch.device("meta"):
+        meta = TinyGPT(n_layer=3)
+    est = plan(meta, machine=machine, config=cfg).estimate(param_tier, "cpu")
+    check(est.per_rank, engine.memory_bytes())
+    engine.close()
+
+
 def test_plan_honours_param_groups_like_initialize():
     # Groups change the layout (group order, alignment between groups) and a parameter in no
     # group gets no moments: the planner takes the same `optimizer=` as initialize.
