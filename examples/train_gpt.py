@@ -284,9 +284,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             engine.save_checkpoint(args.save_dir, client_state={"step": done})
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             mem = engine.memory_bytes()
+            tiers = " ".join(f"{k} {_mib(v)}" for k, v in mem.items())  # device host [pinned] nvme
             line = (f"step {done}/{args.steps} loss {loss_value:.4f} tok/s {tok_s:,.0f} "
-                    f"lr {engine.get_lr()[0]:.2e} mem device {_mib(mem['device'])} "
-                    f"host {_mib(mem['host'])} nvme {_mib(mem['nvme'])}")
+                    f"lr {engine.get_lr()[0]:.2e} mem {tiers}")
             if bar is not None:
                 bar.set_postfix_str(line.split(" ", 2)[2])
                 bar.update(done - bar.n)

@@ -44,7 +44,7 @@ def done(stdout: str) -> dict:
 
 
 PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9,]+) lr \S+ "
-                      r"mem device \S+MiB host \S+MiB nvme \S+MiB$", re.M)
+                      r"mem device \S+MiB host \S+MiB (?:pinned \S+MiB )?nvme \S+MiB$", re.M)
 
 
 def test_train_gpt_trains_and_reports_progress():
