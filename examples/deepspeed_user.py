@@ -51,7 +51,9 @@ def get_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--samples", type=int, default=256, help="synthetic dataset size")
-    parser.add_argument("--save-dir", default=None)
+    parser.add_argument("--save-dir", default=None, help="save a training checkpoint here at the end")
+    parser.add_argument("--save-model", default=None,
+                        help="save the consolidated weights (pytorch_model.bin) here at the end")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args(argv)
 
@@ -83,8 +85,6 @@ def main(argv=None):
     done = False
     epoch = 0
     while not done:
-        if hasattr(trainloader.sampler, "set_epoch"):
-            trainloader.sampler.set_epoch(epoch)
         for inputs, labels in trainloader:
             inputs, labels = inputs.to(model_engine.device), labels.to(model_engine.device)
             loss = model_engine(inputs, labels)
@@ -99,6 +99,8 @@ def main(argv=None):
         epoch += 1
     if args.save_dir:
         model_engine.save_checkpoint(args.save_dir, client_state={"epoch": epoch})
+    if args.save_model:  # needs zero_optimization.stage3_gather_16bit_weights_on_model_save
+        model_engine.save_16bit_model(args.save_model)
     return model_engine
 
 
