@@ -221,8 +221,13 @@ class SwapFile:
         os.close(fd)
         self._written = [False] * len(slots)
 
-    def mark_written(self, index: int) -> None:
-        self._written[index] = True
+    def mark_written(self, index: int, written: bool = True) -> None:
+        """Record that slot `index` holds data of this run (False after a failed write: its
+        bytes are then undefined and must not be read)."""
+        self._written[index] = bool(written)
+
+    def is_written(self, index: int) -> bool:
+        return self._written[index]
 
     def check_readable(self, index: int) -> Slot:
         """The slot to read; raises if nothing was written there in this run."""
