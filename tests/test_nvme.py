@@ -116,25 +116,56 @@ def test_every_tier_combination_matches_adamw_world_size_2(tmp_path):
 # -- invariants ------------------------------------------------------------------------------
 
 
+_VIOLATIONS: list = []
+
+
 class _SlowAIO(offload.nvme.AIOHandle):
-    """Every block waits on its worker before it is issued: a read not ordered after its
-    write would see the old bytes, a buffer reused before its write finished would be
-    written with the next unit's bytes."""
+    """Every block waits on its worker before it is issued, so writes stay in flight long
+    enough for any read (or write) of the same bytes submitted without waiting for them to
+    be caught: each submission is checked against the writes still in flight and an overlap
+    is recorded in _VIOLATIONS. (The delay alone would not show it: this engine issues a
+    worker's blocks in order, so an unordered read often still sees the new bytes.) A buffer
+    reused before its write finished shows as wrong results instead."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs, inject_delay_s=0.004)
+        self._writes: list = []
+
+    def pread(self, buf, path, offset=0):
+        self._check("pread", buf, path, offset)
+        return super().pread(buf, path, offset)
+
+    def pwrite(self, buf, path, offset=0):
+        self._check("pwrite", buf, path, offset)
+        req = super().pwrite(buf, path, offset)
+        self._writes.append((os.fspath(path), offset, buf.nbytes, req))
+        return req
+
+    def _check(self, op, buf, path, offset):
+        self._writes = [w for w in self._writes if not w[3].done()]
+        for p, o, n, _ in self._writes:
+            if p == os.fspath(path) and o < offset + buf.nbytes and offset < o + n:
+                _VIOLATIONS.append((op, os.path.basename(p), offset))
 
 
-def test_results_unchanged_with_io_delays(tmp_path, monkeypatch, baselines):
+@pytest.fixture
+def slow_io(monkeypatch):
+    _VIOLATIONS.clear()
+    monkeypatch.setattr(offload.nvme, "AIOHandle", _SlowAIO)
+    yield
+    assert not _VIOLATIONS, f"submitted while a write of the same bytes was in flight: {_VIOLATIONS[:5]}"
+
+
+def test_results_unchanged_with_io_delays(tmp_path, baselines, request):
     # A budget of two units' working sets: buffers are reused while writes are in flight.
     budget = 2 * _needed_bytes(tmp_path, MODELS["edge"]())
-    monkeypatch.setattr(offload.nvme, "AIOHandle", _SlowAIO)
+    request.getfixturevalue("slow_io")
     sd, _ = engine_train("edge", tier_config(tmp_path, dtype="bf16", budget=budget))
     for k, v in baselines[("edge", "bf16")].items():
         assert torch.equal(sd[k], v), k
 
 
-def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path):
+def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path, slow_io):
     from offload.nvme import NVMeContext
     from offload.tiers import NVMeTier
 
@@ -155,6 +186,34 @@ def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path):
         assert torch.equal(out, second) and h.done()
         with pytest.raises(ValueError, match="must match"):
             tier.store("b", torch.zeros(2048, dtype=torch.bfloat16))
+    finally:
+        ctx.close()
+    assert swap_dir_is_gone(tmp_path)
+
+
+def test_optimizer_state_read_waits_for_the_write_in_flight(tmp_path, slow_io):
+    from offload.nvme import NVMeContext
+    from offload.optim_state import NVMeOptimizerStates
+
+    ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
+    ctx.aio.close()
+    ctx.aio = _SlowAIO(4096, 4, 2)
+    try:
+        states = NVMeOptimizerStates(ctx, [(4096, 3000), (2048, 0)], torch.float32)
+        with pytest.raises(RuntimeError, match="never written"):
+            with states.open(0):
+                pass
+        for round_ in range(3):
+            master = torch.randn(4096)
+            states.initialize(0, master)  # write in flight
+            with states.open(0, write=True) as t:  # reads after it
+                assert torch.equal(t.master, master) and not t.exp_avg.any()
+                t.exp_avg.fill_(float(round_ + 1))
+            with states.open(0) as t:  # reads after the write-back
+                assert torch.equal(t.master, master)
+                assert torch.equal(t.exp_avg, torch.full((3000,), float(round_ + 1)))
+        ctx.staging.drain()
+        assert ctx.staging.pool.bytes_in_use == 0
     finally:
         ctx.close()
     assert swap_dir_is_gone(tmp_path)
@@ -192,7 +251,8 @@ def test_pinned_use_stays_within_a_budget_several_times_smaller_than_the_state(t
     assert swap_dir_is_gone(tmp_path)
 
 
-def test_unit_state_round_trip_on_the_nvme_optimizer_tier(tmp_path):
+def test_unit_state_round_trip_on_the_nvme_optimizer_tier(tmp_path, slow_io):
+    # Slow I/O: the read right after load_unit_state's write-through must wait for it.
     torch.manual_seed(0)
     engine = offload.initialize(TinyGPT(), tier_config(tmp_path, "cpu", "nvme", dtype="bf16"))
     torch.manual_seed(0)
