@@ -91,6 +91,29 @@ def test_bf16_gpt_on_nvme_follows_the_reference(tmp_path):
     assert trajectory_error(sd, ref, initial_state("gpt")) < 0.03  # see test_engine.py
 
 
+def test_fp16_overflow_skip_on_nvme_matches_memory(tmp_path):
+    base, info0 = engine_train("gpt", tier_config(None, "cpu", "cpu", "fp16"), overflow_at=(3,))
+    sd, info = engine_train("gpt", tier_config(tmp_path, dtype="fp16"), overflow_at=(3,))
+    assert info["skipped"] == info0["skipped"] == 1
+    for k in base:
+        assert torch.equal(sd[k], base[k]), k
+
+
+def test_meta_init_streams_units_to_nvme(tmp_path):
+    # offload.init builds on meta; initialize materialises block by block and writes each
+    # unit's state to NVMe as soon as its values are complete.
+    cfg = tier_config(tmp_path, dtype="bf16")
+    torch.manual_seed(0)
+    with offload.init(cfg):
+        model = TinyGPT()
+    engine = offload.initialize(model, cfg)
+    assert all(st.master is None for st in engine.states)
+    sd, plain = engine.full_state_dict(), initial_state("gpt")
+    for k in plain:
+        assert torch.equal(sd[k], plain[k]), k
+    engine.close()
+
+
 def _ws2_tiers(rank: int, world_size: int, path: str):
     out = {}
     for case in CASES:
