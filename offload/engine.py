@@ -682,6 +682,8 @@ class Engine:
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
+        # NVMe: the first units' state reads run under the overflow check and the norm.
+        self.optimizer.prefetch()
         self._sync_has_grad()
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         overflow = False

@@ -144,6 +144,12 @@ class HostOptimizerStates:
                 for h in t.holds:
                     h.wait()
 
+    def prefetch(self, indices: Sequence[int], scratch_bytes: Callable[[int], int]) -> None:
+        """Nothing to read ahead: the state is in memory."""
+
+    def cancel_prefetch(self) -> None:
+        pass
+
     def bytes_on_disk(self) -> int:
         return 0
 
@@ -175,6 +181,8 @@ class NVMeOptimizerStates:
         self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
         self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
+        self._prefetched: dict[int, tuple[torch.Tensor, Pending]] = {}
+        """Reads submitted ahead of the step (`prefetch`), consumed by `stream`."""
 
     @property
     def path(self) -> str:
@@ -225,12 +233,44 @@ class NVMeOptimizerStates:
 
     # -- the step's pipeline ------------------------------------------------------------------
 
+    def prefetch(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int], limit: int = 2
+    ) -> None:
+        """Submit the reads of the first `limit` units of the coming `stream(indices, ...)`
+        now, where buffers are free without waiting: the engine calls it before the overflow
+        check and the gradient norm, which the reads then overlap. A write of one of these
+        units before the step drops its read (`_write`); `cancel_prefetch` drops them all."""
+        staging = self._ctx.staging
+        for i in list(indices)[:limit]:
+            if i in self._prefetched:
+                continue
+            buf = staging.try_acquire(self.layouts[i].nbytes + align_up(scratch_bytes(i)))
+            if buf is None:
+                return
+            try:
+                self._prefetched[i] = (buf, self._read(i, buf))
+            except BaseException:
+                staging.release(buf)
+                raise
+
+    def cancel_prefetch(self, index: Optional[int] = None) -> None:
+        """Drop reads submitted ahead (all, or unit `index`'s): the step was skipped, or the
+        unit is about to be rewritten."""
+        for i in list(self._prefetched) if index is None else [index]:
+            entry = self._prefetched.pop(i, None)
+            if entry is not None:
+                wait_quietly([entry[1]])
+                self._ctx.staging.release(entry[0])
+
     def stream(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
     ) -> Iterator[tuple[int, UnitTensors]]:
         staging = self._ctx.staging
         order = list(indices)
-        reads: dict[int, tuple[torch.Tensor, Pending]] = {}
+        reads, self._prefetched = self._prefetched, {}
+        for i in [i for i in reads if i not in order]:  # not part of this step after all
+            wait_quietly([reads[i][1]])
+            staging.release(reads.pop(i)[0])
 
         def submit(i: int, block: bool) -> None:
             n = self.layouts[i].nbytes + align_up(scratch_bytes(i))
@@ -301,6 +341,7 @@ class NVMeOptimizerStates:
         pool when all are done. Tracked, not waited: see [Note: optimizer pipeline]."""
         ctx = self._ctx
         try:
+            self.cancel_prefetch(index)  # a read submitted ahead would hold the old bytes
             self._wait_write(index)
             slot = self._swap.slots[index]
             req = ctx.aio.pwrite(buf[: slot.nbytes], self._swap.path, slot.offset)

@@ -124,13 +124,10 @@ class ShardedAdam(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("ShardedAdam.step takes no closure; call engine.step()")
         if grad_scale is None:
+            self.store.cancel_prefetch()
             return
         adam = self._adam()
-        work = [
-            i for i, st in enumerate(self.unit_states)
-            if st.optimized_numel or _any_optimized(st.layout)
-        ]
-        for i, t in self.store.stream(work, self._scratch_bytes):
+        for i, t in self.store.stream(self._work(), self._scratch_bytes):
             st = self.unit_states[i]
             active = [
                 has and slot.group != FROZEN_GROUP
@@ -165,6 +162,17 @@ class ShardedAdam(torch.optim.Optimizer):
                 )
             st.slot_steps = new_steps
             self._publish(st, t, lowp, bool(runs))
+
+    def prefetch(self) -> None:
+        """Start reading the first units' state for the coming `step` (NVMe; a no-op in
+        memory). The engine calls it before the overflow check and gradient norm."""
+        self.store.prefetch(self._work(), self._scratch_bytes)
+
+    def _work(self) -> list[int]:
+        return [
+            i for i, st in enumerate(self.unit_states)
+            if st.optimized_numel or _any_optimized(st.layout)
+        ]
 
     def _scratch_bytes(self, index: int) -> int:
         """Pooled bytes the step needs beside unit `index`'s state: its new low-precision
