@@ -410,7 +410,11 @@ def main() -> None:
           "moved per step / step time; pct_of_disk_peak: of the mean of read and write peak")
     print_table(rows)
     for e in engines:
-        e.close()  # the swap files go
+        e.close()  # the engine's swap files go
+    # DeepSpeed leaves its swap files behind: remove the directory this script made for it.
+    import shutil
+
+    shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
