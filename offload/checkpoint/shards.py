@@ -1,0 +1,306 @@
+"""Shard files: flat tensors written and read in checksummed chunks through `offload.io`.
+
+A shard file is a sequence of tensors, each starting at a 4 KiB-aligned offset and stored
+as chunks of `chunk_bytes` (the last one shorter, padded with zeros to 4 KiB on disk). Each
+chunk has a CRC-32 (zlib's polynomial) of its bytes as written, padding included; the
+record of a tensor is a plain dict that goes into the manifest:
+
+    {"unit": 3, "name": "exp_avg", "dtype": "float32", "numel": 1048576,
+     "offset": 8388608, "crc32": [2779338752, ...]}
+
+[Note: the write pipeline]
+`ShardWriter.write` copies a chunk of the caller's tensor into a page-aligned buffer from a
+`BufferPool` (so every request takes O_DIRECT's fast path: aligned address, offset and
+length), submits the write, and hands the same buffer to a checksum thread; both only read
+it, so the CRC of chunk k runs while chunk k and earlier ones are on their way to disk and
+the caller copies chunk k+1. A buffer is reused only after its write and its CRC are done.
+At most `window` chunks are in flight: memory is bounded by window * chunk_bytes whatever
+the model's size, and the caller's tensor may be released as soon as `write` returns (the
+optimizer's `unit_state` context hands state out only for the duration of the copy).
+
+[Note: the read pipeline]
+`ShardReader` runs a list of `ReadJob`s (a chunk of a saved tensor, and where its elements
+go) with `window` reads in flight; a worker thread waits for each read, checks its CRC and
+copies the wanted elements into their destination, while the next reads proceed. A chunk
+whose CRC does not match raises `CheckpointCorruptError` naming the file and offset: a torn
+or flipped byte is never loaded as valid.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from offload.io import ALIGNMENT, AIOHandle, BufferPool, align_up
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Bytes per chunk: large enough that one request keeps the disk's queue full (16 blocks of
+1 MiB), small enough that a few in flight stay within a modest staging budget."""
+
+DEFAULT_WINDOW = 4
+"""Chunks in flight (write or read) at once: 64 MiB of staging with the default chunk."""
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"checkpoints store float32/bfloat16/float16 state, got {dtype}")
+
+
+class CheckpointCorruptError(OSError):
+    """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch)."""
+
+
+def _crc(buf: torch.Tensor) -> int:
+    # zlib releases the GIL for buffers this size, so checksums run beside Python work.
+    return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
+
+
+class ShardWriter:
+    """Writes tensors one after another into one file, chunk by chunk (see the notes)."""
+
+    def __init__(
+        self,
+        handle: AIOHandle,
+        path: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
+        self.handle = handle
+        self.path = path
+        self.chunk_bytes = chunk_bytes
+        self.window = max(1, int(window))
+        self.pool = BufferPool(self.window * chunk_bytes)
+        self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
+        self._inflight: collections.deque = collections.deque()
+        self.offset = 0
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, unit: int, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+        """Queue `tensor` (1-D, host) as the next record; its bytes are copied before this
+        returns, so the caller may reuse or release the tensor."""
+        t = tensor.detach().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        nbytes = t.numel() * t.element_size()
+        raw = t.contiguous().view(torch.uint8) if nbytes else t.new_empty(0, dtype=torch.uint8)
+        n_chunks = -(-nbytes // self.chunk_bytes)
+        record = {
+            "unit": int(unit), "name": name, "dtype": dtype_name(t.dtype),
+            "numel": int(t.numel()), "offset": self.offset, "crc32": [0] * n_chunks,
+        }
+        for k in range(n_chunks):
+            lo = k * self.chunk_bytes
+            hi = min(lo + self.chunk_bytes, nbytes)
+            padded = align_up(hi - lo)
+            self._make_room()
+            buf = self.pool.acquire(padded)
+            buf[: hi - lo].copy_(raw[lo:hi])
+            if padded > hi - lo:
+                buf[hi - lo : padded].zero_()
+            req = self.handle.pwrite(buf, self.path, self.offset + lo)
+            crc = self._crc_pool.submit(_crc, buf)
+            self._inflight.append((buf, req, crc, record, k))
+        self.offset += align_up(nbytes)
+        self.records.append(record)
+        return record
+
+    def _make_room(self) -> None:
+        while len(self._inflight) >= self.window:
+            self._retire(self._inflight.popleft())
+
+    def _retire(self, item: tuple) -> None:
+        buf, req, crc, record, k = item
+        try:
+            req.wait()
+        finally:
+            value = crc.result()  # the checksum thread is done with the buffer too
+            self.pool.release(buf)
+        record["crc32"][k] = value
+
+    def finish(self) -> int:
+        """Wait for every write, fsync the file; returns its size in bytes."""
+        first: Optional[BaseException] = None
+        while self._inflight:
+            try:
+                self._retire(self._inflight.popleft())
+            except BaseException as exc:  # drain the rest before raising (buffers in use)
+                first = first or exc
+        self._crc_pool.shutdown(wait=True)
+        self.pool.trim()
+        if first is not None:
+            raise first
+        if self.offset:
+            from offload.checkpoint.files import fsync_path
+
+            fsync_path(self.path)
+        return self.offset
+
+    def abort(self) -> None:
+        """Wait for what is in flight and drop it (after an error)."""
+        while self._inflight:
+            try:
+                self._retire(self._inflight.popleft())
+            except BaseException:
+                pass
+        self._crc_pool.shutdown(wait=True)
+        self.pool.trim()
+
+
+@dataclass
+class ReadJob:
+    """Read one chunk of a saved tensor and copy its elements [elem_lo, elem_hi) (chunk-local
+    element indices) into `dest` (a 1-D tensor of the same dtype, exactly that long)."""
+
+    path: str
+    file_offset: int
+    nbytes: int
+    """Bytes of the chunk that belong to the tensor (the read is rounded up to 4 KiB)."""
+    crc32: int
+    dtype: torch.dtype
+    elem_lo: int
+    elem_hi: int
+    dest: torch.Tensor
+    tag: Any = None
+    """The caller's: which unit this job completes (see ShardReader.run's on_done)."""
+
+
+def chunk_jobs(
+    record: dict[str, Any],
+    path: str,
+    chunk_bytes: int,
+    lo: int,
+    hi: int,
+    dest: torch.Tensor,
+    tag: Any = None,
+) -> list[ReadJob]:
+    """Jobs that put elements [lo, hi) of the tensor `record` describes into `dest`
+    (dest.numel() == hi - lo)."""
+    dtype = DTYPES[record["dtype"]]
+    es = torch.empty((), dtype=dtype).element_size()
+    if not 0 <= lo <= hi <= record["numel"]:
+        raise ValueError(f"range [{lo}, {hi}) outside the saved tensor of {record['numel']} elements")
+    per_chunk = chunk_bytes // es
+    total = record["numel"] * es
+    jobs = []
+    if hi == lo:
+        return jobs
+    for k in range(lo // per_chunk, (hi - 1) // per_chunk + 1):
+        c_lo = k * per_chunk
+        a, b = max(lo, c_lo), min(hi, c_lo + per_chunk)
+        jobs.append(ReadJob(
+            path=path,
+            file_offset=record["offset"] + k * chunk_bytes,
+            nbytes=min(chunk_bytes, total - k * chunk_bytes),
+            crc32=record["crc32"][k],
+            dtype=dtype,
+            elem_lo=a - c_lo,
+            elem_hi=b - c_lo,
+            dest=dest[a - lo : b - lo],
+            tag=tag,
+        ))
+    return jobs
+
+
+class ShardReader:
+    """Runs ReadJobs with `window` reads in flight (see [Note: the read pipeline])."""
+
+    def __init__(self, handle: AIOHandle, chunk_bytes: int, window: int = DEFAULT_WINDOW) -> None:
+        self.handle = handle
+        self.chunk_bytes = chunk_bytes
+        self.window = max(1, int(window))
+        self.pool = BufferPool(self.window * align_up(chunk_bytes))
+
+    def run(
+        self,
+        groups: Iterable[tuple[Any, list[ReadJob]]],
+        on_done: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        """Run every group's jobs. `groups` is consumed lazily (a generator may allocate a
+        unit's destination only when its turn comes); `on_done(tag)` is called on this
+        thread, in order, once all of a group's jobs have landed and been verified."""
+        inflight: collections.deque = collections.deque()
+        workers = ThreadPoolExecutor(2, thread_name_prefix="ckpt-verify")
+        first: Optional[BaseException] = None
+        try:
+            for tag, jobs in groups:
+                if not jobs:
+                    inflight.append((None, None, None, tag))
+                for i, job in enumerate(jobs):
+                    while len(inflight) >= self.window:
+                        self._retire(inflight.popleft(), on_done)
+                    buf = self.pool.acquire(align_up(job.nbytes))
+                    try:
+                        req = self.handle.pread(buf, job.path, job.file_offset)
+                    except BaseException:
+                        self.pool.release(buf)
+                        raise
+                    fut = workers.submit(_verify_and_copy, job, buf, req)
+                    inflight.append((job, buf, fut, tag if i == len(jobs) - 1 else _NOT_LAST))
+            while inflight:
+                self._retire(inflight.popleft(), on_done)
+        except BaseException as exc:
+            first = exc
+        finally:
+            for job, buf, fut, _ in inflight:  # after an error: let reads land before freeing
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
+                    self.pool.release(buf)
+            workers.shutdown(wait=True)
+            self.pool.trim()
+        if first is not None:
+            raise first
+
+    def _retire(self, item: tuple, on_done: Optional[Callable[[Any], None]]) -> None:
+        job, buf, fut, done_tag = item
+        if fut is not None:
+            try:
+                fut.result()
+            finally:
+                self.pool.release(buf)
+        if done_tag is not _NOT_LAST and on_done is not None:
+            on_done(done_tag)
+
+
+_NOT_LAST = object()
+
+
+def _verify_and_copy(job: ReadJob, buf: torch.Tensor, req: Any) -> None:
+    from offload.io import ShortReadError
+
+    try:
+        req.wait()
+    except ShortReadError as exc:
+        raise CheckpointCorruptError(
+            exc.errno, f"checkpoint file {job.path!r} is truncated: it ends before byte "
+            f"{job.file_offset + buf.numel()} ({exc}); the checkpoint is torn, load another "
+            "tag", job.path,
+        ) from None
+    got = _crc(buf)
+    if got != job.crc32:
+        raise CheckpointCorruptError(
+            5, f"checkpoint file {job.path!r} is corrupt: checksum mismatch in the chunk at "
+            f"byte offset {job.file_offset} ({job.nbytes} bytes; crc32 {got:#010x}, manifest "
+            f"says {job.crc32:#010x}); do not load it, use another tag", job.path,
+        )
+    if job.elem_hi > job.elem_lo:
+        es = job.dest.element_size()
+        src = buf[job.elem_lo * es : job.elem_hi * es].view(job.dtype)
+        job.dest.copy_(src)
