@@ -65,8 +65,10 @@ def model_signature(engine: Any) -> dict[str, Any]:
 
 def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     cfg = engine.config
-    master = engine.states[0].master.dtype if engine.states else torch.float32
-    moments = engine.states[0].exp_avg.dtype if engine.states else torch.float32
+    from offload.step import moments_dtype
+
+    master = torch.float32  # always: see docs/engine.md, Precision
+    moments = moments_dtype(cfg.optimizer.moments_dtype)
     return {
         "format": FORMAT,
         "version": VERSION,
