@@ -61,7 +61,7 @@ def build(dtype="fp32", tier="cpu", nvme_path=None, seed=0, **model_kw):
 def train(engine, steps: int, rank: int = 0, world_size: int = 1) -> None:
     for _ in range(steps):
         idx = torch.randint(0, 64, (8, 17))  # torch's global RNG: resume must restore it
-        x, y = idx[:, :-1], idx[:, 1:]
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
         b = 8 // world_size
         jitter = 1.0 + 0.01 * random.random() + 0.01 * float(np.random.rand())
         loss = engine(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) * jitter
@@ -468,11 +468,12 @@ def test_load_errors_name_the_problem(saved, tmp_path):
 
 
 def test_save_mid_accumulation_is_refused(tmp_path):
-    cfg = make_config()
+    import dataclasses
+
     torch.manual_seed(0)
-    engine = offload.initialize(TinyGPT(), Config(**{**cfg.__dict__, "gradient_accumulation_steps": 2}))
+    engine = offload.initialize(TinyGPT(), dataclasses.replace(make_config(), gradient_accumulation_steps=2))
     idx = torch.randint(0, 64, (8, 17))
-    engine.backward(engine(idx[:, :-1], idx[:, 1:]))
+    engine.backward(engine(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
     engine.step()
     with pytest.raises(RuntimeError, match="accumulation boundary"):
         engine.save_checkpoint(tmp_path / "c")

@@ -19,6 +19,7 @@ that does not complete.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import random
@@ -234,10 +235,9 @@ def _describe(exc: BaseException, what: str) -> tuple[int, str, Optional[str]]:
 
 def _as_oserror(desc: tuple[int, str, Optional[str]]) -> OSError:
     err, msg, filename = desc
-    hint = (
-        "; the previous checkpoint and 'latest' are untouched (free space on that disk or "
-        "save elsewhere)"
-    )
-    if err:
-        return OSError(err, msg + hint, filename)
-    return OSError(msg + hint)
+    if err == errno.ENOSPC:
+        msg += "; free space on that filesystem or save elsewhere"
+    elif err in (errno.EROFS, errno.EACCES, errno.EPERM):
+        msg += "; pass a save_dir on a writable filesystem you own"
+    msg += " (the previous checkpoint and 'latest' are untouched)"
+    return OSError(err, msg, filename) if err else OSError(msg)

@@ -9,8 +9,8 @@ record of a tensor is a plain dict that goes into the manifest:
      "offset": 8388608, "crc32": [2779338752, ...]}
 
 [Note: the write pipeline]
-`ShardWriter.write` copies a chunk of the caller's tensor into a page-aligned buffer from a
-`BufferPool` (so every request takes O_DIRECT's fast path: aligned address, offset and
+`ShardWriter.write` copies a chunk of the caller's tensor into a page-aligned staging buffer
+(`_Ring`, so every request takes O_DIRECT's fast path: aligned address, offset and
 length), submits the write, and hands the same buffer to a checksum thread; both only read
 it, so the CRC of chunk k runs while chunk k and earlier ones are on their way to disk and
 the caller copies chunk k+1. A buffer is reused only after its write and its CRC are done.
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from offload.io import ALIGNMENT, AIOHandle, BufferPool, align_up
+from offload.io import ALIGNMENT, AIOHandle, align_up
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk: large enough that one request keeps the disk's queue full (16 blocks of
@@ -63,6 +63,37 @@ class CheckpointCorruptError(OSError):
     """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch)."""
 
 
+class _Ring:
+    """`window` page-aligned staging buffers of `capacity` bytes, used in turn.
+
+    The pipelines retire work first in, first out and keep at most `window` items in
+    flight, so when item i takes buffer i % window, item i - window (its previous user) has
+    been retired. (A plain ring rather than `offload.io.BufferPool`: its reuse path compares
+    tensors with `list.remove`, which fails with more than one idle buffer; see the closing
+    note in docs/checkpoint.md.) Buffers are allocated on first use, so a small checkpoint
+    touches only the bytes it needs.
+    """
+
+    def __init__(self, window: int, capacity: int) -> None:
+        self.capacity = align_up(capacity)
+        self.buffers: list[Optional[torch.Tensor]] = [None] * window
+        self.next = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        from offload.io import aligned_empty
+
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes exceed the staging buffer's {self.capacity}")
+        i = self.next % len(self.buffers)
+        self.next += 1
+        if self.buffers[i] is None:
+            self.buffers[i] = aligned_empty(self.capacity)
+        return self.buffers[i][:nbytes]
+
+    def free(self) -> None:
+        self.buffers = [None] * len(self.buffers)
+
+
 def _crc(buf: torch.Tensor) -> int:
     # zlib releases the GIL for buffers this size, so checksums run beside Python work.
     return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
@@ -84,7 +115,7 @@ class ShardWriter:
         self.path = path
         self.chunk_bytes = chunk_bytes
         self.window = max(1, int(window))
-        self.pool = BufferPool(self.window * chunk_bytes)
+        self.ring = _Ring(self.window, chunk_bytes)
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
         self._inflight: collections.deque = collections.deque()
         self.offset = 0
@@ -108,7 +139,7 @@ class ShardWriter:
             hi = min(lo + self.chunk_bytes, nbytes)
             padded = align_up(hi - lo)
             self._make_room()
-            buf = self.pool.acquire(padded)
+            buf = self.ring.take(padded)
             buf[: hi - lo].copy_(raw[lo:hi])
             if padded > hi - lo:
                 buf[hi - lo : padded].zero_()
@@ -129,7 +160,6 @@ class ShardWriter:
             req.wait()
         finally:
             value = crc.result()  # the checksum thread is done with the buffer too
-            self.pool.release(buf)
         record["crc32"][k] = value
 
     def finish(self) -> int:
@@ -141,13 +171,14 @@ class ShardWriter:
             except BaseException as exc:  # drain the rest before raising (buffers in use)
                 first = first or exc
         self._crc_pool.shutdown(wait=True)
-        self.pool.trim()
+        self.ring.free()
         if first is not None:
             raise first
-        if self.offset:
-            from offload.checkpoint.files import fsync_path
+        if not self.offset:
+            open(self.path, "ab").close()  # an empty record list still has its file
+        from offload.checkpoint.files import fsync_path
 
-            fsync_path(self.path)
+        fsync_path(self.path)
         return self.offset
 
     def abort(self) -> None:
@@ -158,7 +189,7 @@ class ShardWriter:
             except BaseException:
                 pass
         self._crc_pool.shutdown(wait=True)
-        self.pool.trim()
+        self.ring.free()
 
 
 @dataclass
@@ -223,7 +254,7 @@ class ShardReader:
         self.handle = handle
         self.chunk_bytes = chunk_bytes
         self.window = max(1, int(window))
-        self.pool = BufferPool(self.window * align_up(chunk_bytes))
+        self.ring = _Ring(self.window, chunk_bytes)
 
     def run(
         self,
@@ -243,12 +274,8 @@ class ShardReader:
                 for i, job in enumerate(jobs):
                     while len(inflight) >= self.window:
                         self._retire(inflight.popleft(), on_done)
-                    buf = self.pool.acquire(align_up(job.nbytes))
-                    try:
-                        req = self.handle.pread(buf, job.path, job.file_offset)
-                    except BaseException:
-                        self.pool.release(buf)
-                        raise
+                    buf = self.ring.take(align_up(job.nbytes))
+                    req = self.handle.pread(buf, job.path, job.file_offset)
                     fut = workers.submit(_verify_and_copy, job, buf, req)
                     inflight.append((job, buf, fut, tag if i == len(jobs) - 1 else _NOT_LAST))
             while inflight:
@@ -262,19 +289,15 @@ class ShardReader:
                         fut.result()
                     except BaseException:
                         pass
-                    self.pool.release(buf)
             workers.shutdown(wait=True)
-            self.pool.trim()
+            self.ring.free()
         if first is not None:
             raise first
 
     def _retire(self, item: tuple, on_done: Optional[Callable[[Any], None]]) -> None:
         job, buf, fut, done_tag = item
         if fut is not None:
-            try:
-                fut.result()
-            finally:
-                self.pool.release(buf)
+            fut.result()
         if done_tag is not _NOT_LAST and on_done is not None:
             on_done(done_tag)
 
