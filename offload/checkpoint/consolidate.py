@@ -156,7 +156,7 @@ def consolidate(
         def groups():
             for index, unit in units.items():
                 numel = max((s["offset"] + s["numel"] for s in unit["slots"]), default=0)
-                full = torch.zeros(numel, dtype=torch.float32)
+                full = torch.empty(numel, dtype=torch.float32)  # _assemble zeroes gaps
                 pending[index] = full
                 yield index, _assemble(records, unit, "master", 0, full, saved["chunk_bytes"], index)
 

@@ -29,6 +29,7 @@ import torch
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DEFAULT_WINDOW,
+    Staging,
     CheckpointCorruptError,
     ReadJob,
     ShardReader,
@@ -80,11 +81,9 @@ def load_units(
     engine: Any, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
     *, window: int = DEFAULT_WINDOW,
 ) -> None:
-    from offload.io import AIOHandle
     from offload.step import moments_dtype
 
-    aio = engine.config.aio
-    handle = AIOHandle(block_size=aio.block_size, queue_depth=aio.queue_depth, threads=aio.threads)
+    staging = Staging.of(engine, engine.config.aio, 0.0, saved["chunk_bytes"], window)
     mdtype = moments_dtype(engine.config.optimizer.moments_dtype)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
     records = _records_by_rank(path, saved)
@@ -96,9 +95,9 @@ def load_units(
             layout = unit.layout
             n_opt = layout.shard_optimized_numel(rank)
             dest = {
-                "master": torch.zeros(layout.shard_numel, dtype=torch.float32),
-                "exp_avg": torch.zeros(n_opt, dtype=mdtype),
-                "exp_avg_sq": torch.zeros(n_opt, dtype=mdtype),
+                "master": torch.empty(layout.shard_numel, dtype=torch.float32),
+                "exp_avg": torch.empty(n_opt, dtype=mdtype),
+                "exp_avg_sq": torch.empty(n_opt, dtype=mdtype),
             }
             pending[unit.index] = dest
             old = old_units[unit.name]
@@ -114,10 +113,7 @@ def load_units(
         dest["slot_steps"] = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         engine.optimizer.load_unit_state(index, dest)
 
-    try:
-        ShardReader(handle, saved["chunk_bytes"], window).run(groups(), on_done)
-    finally:
-        handle.close()
+    ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring).run(groups(), on_done)
 
 
 def _records_by_rank(path: str, saved: dict[str, Any]) -> list[tuple[str, dict]]:
@@ -138,12 +134,21 @@ def _assemble(
     hi = lo + dest.numel()
     old_shard = old_unit["shard_numel"]
     jobs: list[ReadJob] = []
+    spans = []
     for r, (file, by_key) in enumerate(records):
         rec = by_key[(old_unit["index"], name)]
         start = r * old_shard
         a, b = max(lo, start), min(hi, start + rec["numel"])
         if a < b:
             jobs += chunk_jobs(rec, file, chunk_bytes, a - start, b - start, dest[a - lo : b - lo], tag)
+            spans.append((a - lo, b - lo))
+    # What no saved rank holds (padding of a larger layout, moments past the optimized
+    # prefix) is zero, as in a fresh engine; `dest` starts uninitialised.
+    pos = 0
+    for a, b in sorted(spans) + [(dest.numel(), dest.numel())]:
+        if a > pos:
+            dest[pos:a].zero_()
+        pos = max(pos, b)
     return jobs
 
 

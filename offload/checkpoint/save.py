@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from offload.checkpoint import files, manifest
-from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter
+from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, Staging
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -117,16 +117,10 @@ def save_checkpoint(
 def _write_rank(
     engine: Any, tmp: str, client_state: Any, chunk_bytes: int, window: int
 ) -> dict[str, Any]:
-    from offload.io import AIOHandle
-
     rank = engine.rank
-    aio = engine.config.aio
     shards_path = os.path.join(tmp, files.shard_file(rank))
-    handle = AIOHandle(
-        block_size=aio.block_size, queue_depth=aio.queue_depth, threads=aio.threads,
-        inject_delay_s=files.io_delay_s(),
-    )
-    writer = ShardWriter(handle, shards_path, chunk_bytes, window)
+    staging = Staging.of(engine, engine.config.aio, files.io_delay_s(), chunk_bytes, window)
+    writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
     slot_steps: dict[int, list[int]] = {}
     try:
         for unit in engine.units:
@@ -140,8 +134,6 @@ def _write_rank(
     except BaseException:
         writer.abort()
         raise
-    finally:
-        handle.close()
     state_bytes = _state_bytes(engine, client_state, slot_steps)
     state_path = os.path.join(tmp, files.state_file(rank))
     files.write_file_durably(state_path, state_bytes)

@@ -10,7 +10,7 @@ record of a tensor is a plain dict that goes into the manifest:
 
 [Note: the write pipeline]
 `ShardWriter.write` copies a chunk of the caller's tensor into a page-aligned staging buffer
-(`_Ring`, so every request takes O_DIRECT's fast path: aligned address, offset and
+(`StagingRing`, so every request takes O_DIRECT's fast path: aligned address, offset and
 length), submits the write, and hands the same buffer to a checksum thread; both only read
 it, so the CRC of chunk k runs while chunk k and earlier ones are on their way to disk and
 the caller copies chunk k+1. A buffer is reused only after its write and its CRC are done.
@@ -29,6 +29,7 @@ or flipped byte is never loaded as valid.
 from __future__ import annotations
 
 import collections
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class CheckpointCorruptError(OSError):
     """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch)."""
 
 
-class _Ring:
+class StagingRing:
     """`window` page-aligned staging buffers of `capacity` bytes, used in turn.
 
     The pipelines retire work first in, first out and keep at most `window` items in
@@ -75,6 +76,7 @@ class _Ring:
     """
 
     def __init__(self, window: int, capacity: int) -> None:
+        self.window = window
         self.capacity = align_up(capacity)
         self.buffers: list[Optional[torch.Tensor]] = [None] * window
         self.next = 0
@@ -94,6 +96,46 @@ class _Ring:
         self.buffers = [None] * len(self.buffers)
 
 
+class Staging:
+    """An owner's I/O handle and staging ring, kept between checkpoints.
+
+    Made on first use and reused: a fresh ring costs a page fault per 4 KiB on its first
+    fill (measured: a save of 0.19 GB took 0.6 s with fresh buffers, most of it faulting
+    them in), and a fresh handle starts and stops its worker threads. Dropped with its owner
+    (a weak reference), or by `release`.
+    """
+
+    _by_owner: "weakref.WeakKeyDictionary[Any, Staging]"
+
+    def __init__(self, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> None:
+        self.key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
+        self.handle = AIOHandle(
+            block_size=aio.block_size, queue_depth=aio.queue_depth, threads=aio.threads,
+            inject_delay_s=delay_s,
+        )
+        self.ring = StagingRing(window, chunk_bytes)
+
+    @classmethod
+    def of(cls, owner: Any, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> "Staging":
+        key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
+        st = cls._by_owner.get(owner)
+        if st is None or st.key != key:
+            if st is not None:
+                st.handle.close()
+            st = cls(aio, delay_s, chunk_bytes, window)
+            cls._by_owner[owner] = st
+        return st
+
+    @classmethod
+    def release(cls, owner: Any) -> None:
+        st = cls._by_owner.pop(owner, None)
+        if st is not None:
+            st.handle.close()
+
+
+Staging._by_owner = weakref.WeakKeyDictionary()
+
+
 def _crc(buf: torch.Tensor) -> int:
     # zlib releases the GIL for buffers this size, so checksums run beside Python work.
     return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
@@ -108,6 +150,7 @@ class ShardWriter:
         path: str,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         window: int = DEFAULT_WINDOW,
+        ring: Optional["StagingRing"] = None,
     ) -> None:
         if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
@@ -115,7 +158,8 @@ class ShardWriter:
         self.path = path
         self.chunk_bytes = chunk_bytes
         self.window = max(1, int(window))
-        self.ring = _Ring(self.window, chunk_bytes)
+        self.ring = ring if ring is not None else StagingRing(self.window, chunk_bytes)
+        self._own_ring = ring is None
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
         self._inflight: collections.deque = collections.deque()
         self.offset = 0
@@ -171,7 +215,8 @@ class ShardWriter:
             except BaseException as exc:  # drain the rest before raising (buffers in use)
                 first = first or exc
         self._crc_pool.shutdown(wait=True)
-        self.ring.free()
+        if self._own_ring:
+            self.ring.free()
         if first is not None:
             raise first
         if not self.offset:
@@ -189,7 +234,8 @@ class ShardWriter:
             except BaseException:
                 pass
         self._crc_pool.shutdown(wait=True)
-        self.ring.free()
+        if self._own_ring:
+            self.ring.free()
 
 
 @dataclass
@@ -250,11 +296,15 @@ def chunk_jobs(
 class ShardReader:
     """Runs ReadJobs with `window` reads in flight (see [Note: the read pipeline])."""
 
-    def __init__(self, handle: AIOHandle, chunk_bytes: int, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self, handle: AIOHandle, chunk_bytes: int, window: int = DEFAULT_WINDOW,
+        ring: Optional["StagingRing"] = None,
+    ) -> None:
         self.handle = handle
         self.chunk_bytes = chunk_bytes
         self.window = max(1, int(window))
-        self.ring = _Ring(self.window, chunk_bytes)
+        self.ring = ring if ring is not None else StagingRing(self.window, chunk_bytes)
+        self._own_ring = ring is None
 
     def run(
         self,
@@ -290,7 +340,8 @@ class ShardReader:
                     except BaseException:
                         pass
             workers.shutdown(wait=True)
-            self.ring.free()
+            if self._own_ring:
+                self.ring.free()
         if first is not None:
             raise first
 
