@@ -137,8 +137,9 @@ def replace_file_durably(path: str, data: bytes) -> None:
 
 def new_temp_dir(save_dir: str, tag: str) -> str:
     path = os.path.join(save_dir, f"{TMP_PREFIX}{tag}-{uuid.uuid4().hex[:12]}")
+    # No fsync of save_dir here: the directory only matters once renamed, and the rename
+    # is followed by an fsync of save_dir (publish_dir).
     os.mkdir(path)
-    fsync_path(save_dir)
     return path
 
 

@@ -18,6 +18,7 @@ keeps its RNG states (there are none saved for it).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -90,14 +91,25 @@ def load_units(
     pending: dict[int, dict[str, torch.Tensor]] = {}
     rank = engine.rank
 
+    # Two sets of page-aligned destination buffers, sized for the largest unit and used in
+    # turn (the reader keeps at most two units open): whole chunks are read straight into
+    # them (ReadJob.direct), and only two units' worth of pages is ever faulted in.
+    most = max(u.layout.shard_numel for u in engine.units)
+    most_opt = max(u.layout.shard_optimized_numel(rank) for u in engine.units)
+    sets = [
+        (_aligned(most, torch.float32), _aligned(most_opt, mdtype), _aligned(most_opt, mdtype))
+        for _ in range(2)
+    ]
+
     def groups() -> Iterator[tuple[int, list[ReadJob]]]:
-        for unit in engine.units:
+        for i, unit in enumerate(engine.units):
             layout = unit.layout
             n_opt = layout.shard_optimized_numel(rank)
+            master, exp_avg, exp_avg_sq = sets[i % 2]
             dest = {
-                "master": torch.empty(layout.shard_numel, dtype=torch.float32),
-                "exp_avg": torch.empty(n_opt, dtype=mdtype),
-                "exp_avg_sq": torch.empty(n_opt, dtype=mdtype),
+                "master": master[: layout.shard_numel],
+                "exp_avg": exp_avg[:n_opt],
+                "exp_avg_sq": exp_avg_sq[:n_opt],
             }
             pending[unit.index] = dest
             old = old_units[unit.name]
@@ -113,7 +125,29 @@ def load_units(
         dest["slot_steps"] = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         engine.optimizer.load_unit_state(index, dest)
 
-    ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring).run(groups(), on_done)
+    with _one_torch_thread():
+        reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
+        reader.run(groups(), on_done, max_open_groups=2)
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    from offload.io import aligned_empty
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return aligned_empty(numel * itemsize, pin=False).view(dtype)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """`load_unit_state` copies each unit with `Tensor.copy_`, which splits a large copy
+    over torch's intra-op threads; beside the I/O and checksum threads that split waits on
+    its slowest thread (see `shards.copy_bytes`). One thread copies at memory speed."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _records_by_rank(path: str, saved: dict[str, Any]) -> list[tuple[str, dict]]:

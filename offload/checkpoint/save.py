@@ -123,6 +123,7 @@ def _write_rank(
     writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
     slot_steps: dict[int, list[int]] = {}
     try:
+        writer.preallocate(_shards_bytes(engine))
         for unit in engine.units:
             with engine.optimizer.unit_state(unit.index) as state:
                 for name in _STATE_KEYS:
@@ -145,6 +146,21 @@ def _write_rank(
             "crc32": zlib.crc32(state_bytes) & 0xFFFFFFFF,
         },
     }
+
+
+def _shards_bytes(engine: Any) -> int:
+    """The size of this rank's shard file: per unit, the master and the two moments, each
+    rounded up to 4 KiB (ShardWriter's layout)."""
+    from offload.io import align_up
+    from offload.step import moments_dtype
+
+    m_size = torch.empty((), dtype=moments_dtype(engine.config.optimizer.moments_dtype)).element_size()
+    total = 0
+    for unit in engine.units:
+        layout = unit.layout
+        total += align_up(layout.shard_numel * 4)
+        total += 2 * align_up(layout.shard_optimized_numel(engine.rank) * m_size)
+    return total
 
 
 def _state_bytes(engine: Any, client_state: Any, slot_steps: dict[int, list[int]]) -> bytes:
