@@ -128,8 +128,6 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
     rounds = {"save": 0}
 
     def disk_write() -> float:
-        if os.path.exists(raw):
-            os.unlink(raw)
         t0 = time.perf_counter()
         handle.pwrite(buf, raw, 0).wait()
         fd = os.open(raw, os.O_RDONLY)
@@ -143,7 +141,6 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         return gbs(time.perf_counter() - t0)
 
     def offload_save() -> float:
-        shutil.rmtree(ckpt, ignore_errors=True)
         rounds["save"] += 1
         t0 = time.perf_counter()
         engine.save_checkpoint(ckpt, tag=f"round{rounds['save']}")
@@ -155,8 +152,6 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         return gbs(time.perf_counter() - t0)
 
     def torch_save() -> float:
-        if os.path.exists(tfile):
-            os.unlink(tfile)
         t0 = time.perf_counter()
         torch.save(engine.optimizer.state_dict(), tfile)
         drop_cache(tfile)  # fsync (counted, as ours is) and evict for the load
@@ -168,9 +163,33 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         torch.load(tfile, weights_only=False)
         return gbs(time.perf_counter() - t0)
 
+    def remove(path: str) -> Callable[[], None]:
+        def run() -> None:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+
+        return run
+
+    def settled(fn: Callable[[], float], prepare: Callable[[], None] = lambda: None) -> Callable[[], float]:
+        # Each contender fsyncs what it wrote. On a virtual disk that flush also pushes out
+        # whatever was left dirty before (the previous contender's files, the blocks freed
+        # by deleting the last round's copy), so every timed run starts from a synced disk
+        # (os.sync, outside the timing).
+        def run() -> float:
+            prepare()
+            os.sync()
+            return fn()
+
+        return run
+
     return {
-        "disk write": disk_write, "offload save": offload_save, "torch.save": torch_save,
-        "disk read": disk_read, "offload load": offload_load, "torch.load": torch_load,
+        "disk write": settled(disk_write, remove(raw)),
+        "offload save": settled(offload_save, remove(ckpt)),
+        "torch.save": settled(torch_save, remove(tfile)),
+        "disk read": settled(disk_read), "offload load": settled(offload_load),
+        "torch.load": settled(torch_load),
     }
 
 

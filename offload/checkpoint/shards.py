@@ -46,8 +46,9 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk: large enough that one request keeps the disk's queue full (16 blocks of
 1 MiB), small enough that a few in flight stay within a modest staging budget."""
 
-DEFAULT_WINDOW = 4
-"""Chunks in flight (write or read) at once: 64 MiB of staging with the default chunk."""
+DEFAULT_WINDOW = 8
+"""Chunks in flight (write or read) at once: up to 128 MiB of staging with the default
+chunk (allocated as used; 8 rather than 4 measured ~5% faster saves and loads)."""
 
 DTYPES = {
     "float32": torch.float32,
