@@ -508,3 +508,17 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint():
         fresh = build("fp32", d_model=64, seed=3)
         fresh.load_checkpoint(ck)
         assert_same_sd(fresh.full_state_dict(), want)
+
+
+def test_crc32c_check_value_and_kernels_agree():
+    from offload._native import C
+
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert C.crc32c(data.data_ptr(), 9) == 0xE3069283  # the CRC-32C check value
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=g)
+    for n in (0, 1, 7, 8, 9, 4096, 100_003):
+        fast = C.crc32c(x.data_ptr(), n)
+        assert fast == C.crc32c(x.data_ptr(), n, 0, True), n  # SSE4.2 == portable
+        # continuing a running CRC equals one pass
+        assert C.crc32c(x.data_ptr() + n // 2, n - n // 2, C.crc32c(x.data_ptr(), n // 2)) == fast
