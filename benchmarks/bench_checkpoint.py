@@ -209,6 +209,8 @@ def run_tier(args: Any, tier: str, params: int, repeats: int) -> list[dict[str, 
               f"{nbytes / GB:.2f} GB of optimizer state, {repeats} rounds")
         samples = interleave(contenders(engine, nbytes, work), repeats)
         med = {k: v.median for k, v in samples.items()}
+        for k, v in samples.items():
+            print(f"  {k:13s} GB/s per round: " + " ".join(f"{x:.2f}" for x in v.values))
         engine.close()
         rows = []
         for op, ours, disk, peer in (("save", "offload save", "disk write", "torch.save"),
