@@ -1,20 +1,31 @@
-"""End-to-end training step: the engine vs plain PyTorch, FSDP2 CPU offload, DeepSpeed ZeRO-3.
+"""End-to-end training step: the engine vs plain PyTorch, FSDP2 CPU offload, DeepSpeed ZeRO-3,
+and the engine's NVMe tiers vs its in-memory step and DeepSpeed's ZeRO-Infinity NVMe offload.
 
-Question: what does partitioned training with CPU offload cost per step, against plain
-PyTorch training of the same model (fused AdamW) and against the other offload engines,
-when compute runs on this machine (the CPU, or a GPU if one is present)?
+Question: what does partitioned training with CPU (or NVMe) offload cost per step, against
+plain PyTorch training of the same model (fused AdamW) and against the other offload
+engines, when compute runs on this machine (the CPU, or a GPU if one is present)?
 
 Contenders (same GPT model and batches, one training step per sample, interleaved):
 - torch:     plain model, torch.optim.AdamW(fused=True) (foreach where fused is missing)
 - engine:    offload.initialize(model, Config(...)): ZeRO-3 units, fp32 master + Adam in
              CPU memory (world size 1)
+- engine_nvme_opt: the same with offload.optimizer_tier='nvme' (master + moments in a swap
+             file under --nvme-path, streamed through the pinned pool each step)
+- engine_nvme_all: parameters on NVMe too (offload.param_tier='nvme')
 - fsdp2:     torch.distributed.fsdp.fully_shard per block + root, CPUOffloadPolicy,
              torch.optim.AdamW over the sharded params
 - deepspeed: deepspeed.initialize, ZeRO stage 3, offload_param + offload_optimizer to cpu
+- deepspeed_nvme: the same with offload_param and offload_optimizer on nvme (ZeRO-Infinity)
 A contender that cannot run here is dropped with its reason printed.
+
+For the NVMe contenders the table adds the bytes moved per step (engine.io_stats()), the
+disk bandwidth that amounts to over the step time, the time the step waited for I/O, and
+that bandwidth as a share of the disk's sequential peak, measured in the same run with
+offload.io (one large O_DIRECT write and read of a file under --nvme-path).
 
     python benchmarks/bench_train.py --quick
     python benchmarks/bench_train.py --layers 8 --d-model 512 --seq 256 --batch 8
+    python benchmarks/bench_train.py --quick --nvme-path /mnt/nvme/bench --no-fsdp2
 """
 
 from __future__ import annotations
@@ -116,9 +127,36 @@ def _ensure_group(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
+def disk_peak(path: str, nbytes: int, block_size: int, queue_depth: int, threads: int, rounds: int = 3) -> dict[str, float]:
+    """Sequential O_DIRECT write and read of one `nbytes` file with offload.io: the disk's
+    peak as the NVMe tiers see it (same handle settings), medians of `rounds`."""
+    from offload.io import AIOHandle, aligned_empty
+
+    os.makedirs(path, exist_ok=True)
+    f = os.path.join(path, "peak.bin")
+    buf = aligned_empty(nbytes)
+    buf.fill_(1)
+    w, r = [], []
+    with AIOHandle(block_size, queue_depth, threads) as h:
+        h.pwrite(buf, f, 0).wait()  # allocate the blocks: later writes are overwrites
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            h.pwrite(buf, f, 0).wait()
+            w.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            h.pread(buf, f, 0).wait()
+            r.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    os.unlink(f)
+    import statistics
+
+    return {"write_GBps": statistics.median(w), "read_GBps": statistics.median(r)}
+
+
 def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callable[[], float]], dict[str, dict]]:
     contenders: dict[str, Callable[[], float]] = {}
     memory: dict[str, dict] = {}
+    io: dict[str, dict] = {}
+    """name -> {"stats": engine.io_stats, "per_step": [(bytes, wait_s), ...]} for NVMe."""
     x, y = batch
     lr = 1e-4
 
@@ -160,17 +198,39 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]), "host": 0}
         return fn, mem
 
-    def engine_setup():
+    def engine_setup(param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine"):
         import offload
-        from offload.config import Config, OptimizerConfig, PrecisionConfig
+        from offload.config import AIOConfig, Config, OffloadConfig, OptimizerConfig, PrecisionConfig
 
+        nvme = "nvme" in (param_tier, optimizer_tier)
+        path = os.path.join(args.nvme_path, name) if nvme else None
+        if path:
+            os.makedirs(path, exist_ok=True)
         cfg = Config(
             compute_device=device.type,
             optimizer=OptimizerConfig(lr=lr),
             precision=PrecisionConfig(dtype=args.dtype),
+            offload=OffloadConfig(
+                param_tier=param_tier, optimizer_tier=optimizer_tier, nvme_path=path,
+                pinned_budget_bytes=args.pinned_budget_mb << 20,
+            ),
+            aio=AIOConfig(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.io_threads),
         )
         engine = offload.initialize(make_model(), cfg)
-        fn = timed_step(lambda: engine(x, y), engine.backward, engine.step)
+        engines.append(engine)
+        step_fn = timed_step(lambda: engine(x, y), engine.backward, engine.step)
+        if not nvme:
+            return step_fn, engine.memory_bytes
+        rec = io[name] = {"per_step": []}
+
+        def fn() -> float:
+            a = engine.io_stats()
+            t = step_fn()
+            b = engine.io_stats()
+            moved = b["bytes_read"] - a["bytes_read"] + b["bytes_written"] - a["bytes_written"]
+            rec["per_step"].append((moved, b["wait_s"] - a["wait_s"]))
+            return t
+
         return fn, engine.memory_bytes
 
     def fsdp2_setup():
@@ -194,7 +254,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         local = [getattr(t, "_local_tensor", t) for t in list(m.parameters()) + states]
         return fn, {"device": 0, "host": _bytes(local)}
 
-    def deepspeed_setup():
+    def deepspeed_setup(nvme: bool = False):
         import logging
 
         import deepspeed
@@ -202,14 +262,27 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         _ensure_group(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        if nvme:
+            path = os.path.join(args.nvme_path, "deepspeed")
+            os.makedirs(path, exist_ok=True)
+            offload_param = {"device": "nvme", "nvme_path": path, "pin_memory": device.type == "cuda"}
+            offload_optimizer = {"device": "nvme", "nvme_path": path, "pin_memory": device.type == "cuda"}
+        else:
+            offload_param = {"device": "cpu"}
+            offload_optimizer = {"device": "cpu"}
         ds_cfg = {
             "train_micro_batch_size_per_gpu": x.shape[0],
             "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": lr}},
             "zero_optimization": {
                 "stage": 3,
-                "offload_param": {"device": "cpu"},
-                "offload_optimizer": {"device": "cpu"},
+                "offload_param": offload_param,
+                "offload_optimizer": offload_optimizer,
+            },
+            "aio": {
+                "block_size": args.block_size, "queue_depth": args.queue_depth,
+                "intra_op_parallelism": args.io_threads, "single_submit": False,
+                "overlap_events": True,
             },
             "bf16": {"enabled": args.dtype == "bf16"},
             "fp16": {"enabled": args.dtype == "fp16"},
@@ -220,13 +293,21 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         fn = timed_step(lambda: eng(x.to(eng.device), y.to(eng.device)), eng.backward, eng.step)
         return fn, {"device": None, "host": None, "nvme": None}  # not exposed by DeepSpeed here
 
+    engines: list = []
     add("torch", torch_setup)
     add("engine", engine_setup)
+    if not args.no_nvme:
+        add("engine_nvme_opt", lambda: engine_setup("cpu", "nvme", "engine_nvme_opt"))
+        add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
     if not args.no_fsdp2:
         add("fsdp2", fsdp2_setup)
     if not args.no_deepspeed:
         add("deepspeed", deepspeed_setup)
-    return contenders, memory
+        if not args.no_nvme:
+            add("deepspeed_nvme", lambda: deepspeed_setup(nvme=True))
+    for rec in io.values():
+        rec["per_step"].clear()  # the warm-up step is not a sample
+    return contenders, memory, io, engines
 
 
 def main() -> None:
@@ -243,6 +324,14 @@ def main() -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--no-fsdp2", action="store_true")
+    p.add_argument("--no-nvme", action="store_true", help="skip the NVMe contenders")
+    p.add_argument("--nvme-path", "--dir", dest="nvme_path", default="/tmp/offload-bench-nvme",
+                   help="directory for swap files, on the disk to measure (not a tmpfs)")
+    p.add_argument("--pinned-budget-mb", type=int, default=512, help="offload.pinned_budget_bytes in MiB")
+    p.add_argument("--block-size", type=int, default=1 << 20, help="aio block size (bytes)")
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--peak-mb", type=int, default=None, help="file size for the disk peak (MiB)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = 2, 256, 4, 4096, 128, 4
@@ -250,7 +339,9 @@ def main() -> None:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    info = machine_info()
+    if not args.no_nvme:
+        os.makedirs(args.nvme_path, exist_ok=True)
+    info = machine_info(None if args.no_nvme else args.nvme_path)
     print_machine(info)
 
     def make_model() -> GPT:
@@ -272,29 +363,62 @@ def main() -> None:
     adam_impl = getattr(functional.adam_step_flat, "__name__", "?")
     print(f"engine's Adam: offload.optim.adam_step_flat -> {adam_impl}")
 
-    contenders, memory = build_contenders(args, make_model, batch, device)
+    contenders, memory, io, engines = build_contenders(args, make_model, batch, device)
+    peak = None
+    if io:
+        peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
+        peak = disk_peak(args.nvme_path, peak_bytes, args.block_size, args.queue_depth, args.io_threads)
+        print(f"disk peak (offload.io, {peak_bytes >> 20} MiB sequential O_DIRECT under {args.nvme_path}): "
+              f"write {peak['write_GBps']:.2f} GB/s, read {peak['read_GBps']:.2f} GB/s")
     samples = interleave(contenders, repeats)
     med = {k: s.median for k, s in samples.items() if s.values}
     rows = []
+    import statistics
+
     for name, t in med.items():
         mem = memory[name]() if callable(memory[name]) else memory[name]
-        rows.append(
-            {
-                "contender": name,
-                "step_ms": t * 1e3,
-                "tokens_per_s": tokens / t,
-                "device_MB": _mb(mem.get("device", 0)),
-                "host_MB": _mb(mem.get("host", 0)),
-                "nvme_MB": _mb(mem.get("nvme", 0)),
-                "vs_torch": ratio(t, med.get("torch", float("nan"))),
-                "vs_fsdp2": ratio(t, med.get("fsdp2", float("nan"))),
-                "vs_deepspeed": ratio(t, med.get("deepspeed", float("nan"))),
-            }
+        row = {
+            "contender": name,
+            "step_ms": t * 1e3,
+            "tokens_per_s": tokens / t,
+            "device_MB": _mb(mem.get("device", 0)),
+            "host_MB": _mb(mem.get("host", 0)),
+            "pinned_MB": _mb(mem.get("pinned", 0)),
+            "nvme_MB": _mb(mem.get("nvme", 0)),
+            "io_MB_per_step": None,
+            "io_wait_ms": None,
+            "disk_GBps": None,
+        }
+        if name in io and io[name]["per_step"]:
+            moved = statistics.median(m for m, _ in io[name]["per_step"])
+            wait = statistics.median(w for _, w in io[name]["per_step"])
+            row.update(io_MB_per_step=moved / 2**20, io_wait_ms=wait * 1e3, disk_GBps=moved / t / 1e9)
+        row.update(
+            vs_engine=ratio(t, med.get("engine", float("nan"))),
+            vs_torch=ratio(t, med.get("torch", float("nan"))),
+            vs_fsdp2=ratio(t, med.get("fsdp2", float("nan"))),
+            vs_deepspeed=ratio(t, med.get("deepspeed", float("nan"))),
+            vs_deepspeed_nvme=ratio(t, med.get("deepspeed_nvme", float("nan"))),
+            pct_of_disk_peak=(
+                100.0 * row["disk_GBps"] / (0.5 * (peak["read_GBps"] + peak["write_GBps"]))
+                if row["disk_GBps"] is not None and peak else None
+            ),
         )
+        rows.append(row)
     print("step time ratios: >1 = slower than the peer; memory: state the contender holds "
-          "(params, grads, optimizer; engine: memory_bytes())")
+          "(params, grads, optimizer; engine: memory_bytes()); disk_GBps: bytes the NVMe tiers "
+          "moved per step / step time; pct_of_disk_peak: of the mean of read and write peak")
     print_table(rows)
-    write_json(args.json, {"machine": info, "args": vars(args), "n_params": n_params, "rows": rows})
+    for e in engines:
+        e.close()  # the engine's swap files go
+    # DeepSpeed leaves its swap files behind: remove the directory this script made for it.
+    import shutil
+
+    shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
+    write_json(args.json, {
+        "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
+        "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
+    })
     if dist.is_initialized():
         dist.destroy_process_group()
 

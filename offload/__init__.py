@@ -23,13 +23,13 @@ _LAZY = {
     "Config": ("offload.config", "Config"),
     "initialize": ("offload.engine", "initialize"),
     "Engine": ("offload.engine", "Engine"),
-    "init": ("offload.init", "init"),
+    "init": ("offload.meta_init", "init"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from offload.config import Config
     from offload.engine import Engine, initialize
-    from offload.init import init
+    from offload.meta_init import init
 
 
 def __getattr__(name: str) -> Any:

@@ -18,12 +18,19 @@ What happens underneath (see docs/engine.md for the full story):
 - `step()` computes the fp16 overflow flag and the global gradient norm across ranks,
   folds loss-scale, accumulation and clipping into one `grad_scale`, and runs the CPU
   Adam over every unit's shard (`offload.step.ShardedAdam`).
+- With `offload.param_tier='nvme'` and/or `offload.optimizer_tier='nvme'` (docs/nvme.md),
+  shards and optimizer states live in per-rank swap files under `offload.nvme_path`, moved
+  by one AIO handle through one pinned staging pool (`offload.nvme.NVMeContext`). What the
+  machine must offer (the directory, free space, a budget that holds one unit) is checked
+  here, at `initialize`, and the files are deleted by `close()` (also on `with` exit and by
+  a finalizer at garbage collection or interpreter exit).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -36,6 +43,7 @@ from offload import distributed as _dist
 from offload.config import Config
 from offload.loss_scaler import LossScaler
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
+from offload.io import align_up
 from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
 from offload.tiers import make_param_tier, wait
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
@@ -151,19 +159,13 @@ class Engine:
         self.module = model
         device_type = _resolve_device(config.compute_device).type
         self.dtype = _DTYPES[config.precision.dtype]
-        if config.offload.optimizer_tier != "cpu":
-            raise NotImplementedError(
-                f"offload.optimizer_tier={config.offload.optimizer_tier!r} is not available "
-                "yet (the NVMe tier is the next milestone); use optimizer_tier='cpu'"
-            )
         # The group first: starting it from torchrun's env selects this rank's GPU
         # (LOCAL_RANK), which the compute device must then be.
         self.pg = _dist.setup_process_group(device_type)
         self.device = _resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
-        self.param_tier = make_param_tier(
-            config.offload.param_tier, self.device, config.offload.pin_memory
-        )
+        self.nvme = None
+        self._finalizer = None
         self.scaler = LossScaler.from_precision(config.precision)
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
         self.micro_steps = 0
@@ -175,7 +177,14 @@ class Engine:
 
         plans = plan_units(model, config.unit_modules)
         groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
-        self._build_units(plans, group_of)
+        planned = self._plan_layouts(plans, group_of)
+        self._setup_tiers(planned)
+        try:
+            self._build_units(planned)
+        except BaseException:
+            if self._finalizer is not None:
+                self._finalizer()  # no swap files left behind by a failed initialize
+            raise
         self._swap_buffers()
         self._index_state_dict()
         opt_groups = []
@@ -194,6 +203,7 @@ class Engine:
             rank=self.rank,
             param_tier=self.param_tier,
             threads=config.cpu_adam_threads,
+            store=self.optimizer_states,
         )
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._tracks = [_Track() for _ in self.units]
@@ -201,27 +211,150 @@ class Engine:
 
     # -- construction ----------------------------------------------------------------------
 
-    def _build_units(self, plans: list[UnitPlan], group_of: dict[int, int]) -> None:
-        from offload.materialize import materialize_values  # meta-built models (offload.init)
-
-        self.units: list[FlatUnit] = []
-        self.states: list[UnitOptimizerState] = []
-        self._records: list[list[ParamRecord]] = []
-        cpu = torch.device("cpu")
-        # fp32 compute on the CPU: the parameter shard and the fp32 master are the same
-        # bytes, so the optimizer updates the parameters in place and nothing is copied.
-        alias_master = self.dtype == torch.float32 and self.param_tier.device == cpu
-        mdtype = moments_dtype(self.config.optimizer.moments_dtype)
-        for index, plan in enumerate(plans):
+    def _plan_layouts(
+        self, plans: list[UnitPlan], group_of: dict[int, int]
+    ) -> list[tuple[UnitPlan, Any, list[ParamRecord]]]:
+        """Each unit's flat layout (pure arithmetic): the swap files are sized from these
+        before anything is allocated."""
+        out = []
+        for plan in plans:
             entries = []
             for rec in plan.params:
                 g = group_of.get(id(rec.param), FROZEN_GROUP) if rec.param.requires_grad else FROZEN_GROUP
                 entries.append((rec.name, tuple(rec.param.shape), g))
             layout = layout_unit(entries, self.world_size)
             by_name = {rec.name: rec for rec in plan.params}
-            records = [by_name[s.name] for s in layout.slots]
+            out.append((plan, layout, [by_name[s.name] for s in layout.slots]))
+        return out
+
+    def _setup_tiers(self, planned: list[tuple[UnitPlan, Any, list[ParamRecord]]]) -> None:
+        """The parameter tier and the optimizer-state store; for NVMe, the rank's swap
+        directory, AIO handle and staging pool, after checking at the door that the machine
+        can hold them (directory, free space, pinned budget). Every rank learns whether any
+        rank failed, so all raise together instead of some waiting in a collective."""
+        from offload.optim_state import NVMeOptimizerStates, state_layout
+
+        off = self.config.offload
+        mdtype = moments_dtype(self.config.optimizer.moments_dtype)
+        uses_nvme = "nvme" in (off.param_tier, off.optimizer_tier)
+        self.optimizer_states: Any = None
+        error: Optional[BaseException] = None
+        try:
+            if uses_nvme:
+                from offload.nvme import NVMeContext
+
+                self._check_nvme(planned, mdtype, state_layout)
+                self.nvme = NVMeContext(
+                    off.nvme_path, self.rank,
+                    budget_bytes=int(off.pinned_budget_bytes),
+                    block_size=self.config.aio.block_size,
+                    queue_depth=self.config.aio.queue_depth,
+                    threads=self.config.aio.threads,
+                    pin=off.pin_memory and self.device.type == "cuda",
+                )
+                # A bound method of the context, not of self: the finalizer must not keep
+                # the engine alive. It runs at garbage collection or interpreter exit.
+                self._finalizer = weakref.finalize(self, self.nvme.close)
+            extra: dict[str, Any] = {}
+            if off.param_tier == "nvme":
+                keys = [((i, "param"), lay.shard_numel, self.dtype) for i, (_, lay, _) in enumerate(planned)]
+                extra = {"nvme": self.nvme, "shards": keys}
+            self.param_tier = make_param_tier(off.param_tier, self.device, off.pin_memory, **extra)
+            if off.optimizer_tier == "nvme":
+                sizes = [
+                    (layout.shard_numel, layout.shard_optimized_numel(self.rank))
+                    for _, layout, _ in planned
+                ]
+                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype)
+        except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+            error = exc
+        if error is not None and self._finalizer is not None:
+            self._finalizer()  # delete what this rank created
+        if uses_nvme:
+            self._agree_on(error)
+        elif error is not None:
+            raise error
+
+    def _check_nvme(self, planned: list, mdtype: torch.dtype, state_layout: Any) -> None:
+        """What NVMe tiers need of the machine, checked before anything is created."""
+        from offload.swap import check_free_space, check_swap_dir, swap_bytes_needed
+
+        off = self.config.offload
+        check_swap_dir(off.nvme_path)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        m_itemsize = torch.empty((), dtype=mdtype).element_size()
+        param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
+        for plan, layout, _ in planned:
+            shard = align_up(layout.shard_numel * itemsize) if off.param_tier == "nvme" else 0
+            state = 0
+            if shard:
+                param_sizes.append(shard)
+            if off.optimizer_tier == "nvme":
+                state = state_layout(
+                    layout.shard_numel, layout.shard_optimized_numel(self.rank), m_itemsize
+                ).nbytes
+                optim_sizes.append(state)
+            # One unit's pinned working set (docs/nvme.md): during the step its state and
+            # its new parameter shard share one buffer; a fetch, or a store by copy, needs
+            # the shard alone.
+            need = state + shard
+            if need > worst[0]:
+                worst = (need, plan.name or "<root>", state, shard)
+        budget = int(off.pinned_budget_bytes)
+        if worst[0] > budget:
+            need, name, state, lowp = worst
+            raise ValueError(
+                f"offload.pinned_budget_bytes={budget} is too small for one unit: unit {name!r} "
+                f"needs {need} bytes of pinned staging ({state} bytes of optimizer state + "
+                f"{lowp} bytes of parameter shard); raise offload.pinned_budget_bytes to at "
+                f"least {need} ({3 * need} lets the optimizer pipeline overlap read, update "
+                "and write), or use smaller units (config.unit_modules)"
+            )
+        total = swap_bytes_needed([param_sizes, optim_sizes])
+        # Every rank of this node puts its files on the same disk: check for all of them
+        # (shards are equal-sized across ranks), before any rank preallocates.
+        check_free_space(
+            off.nvme_path, total * self.world_size,
+            f"the swap files of {self.world_size} rank(s) ({total} bytes each: parameters "
+            f"{sum(param_sizes)}, optimizer states {sum(optim_sizes)})",
+        )
+
+    def _agree_on(self, error: Optional[BaseException]) -> None:
+        """Raise `error` on this rank, and an error naming the failure on every other rank."""
+        if self.world_size > 1:
+            flag = torch.tensor([0.0 if error is None else float(self.rank + 1)])
+            failed = int(self._all_reduce(flag, "max").item())
+            if error is None and failed:
+                raise RuntimeError(
+                    f"rank {failed - 1} could not set up its NVMe tier (see its error); "
+                    "this rank stops with it"
+                )
+        if error is not None:
+            raise error
+
+    def _build_units(self, planned: list[tuple[UnitPlan, Any, list[ParamRecord]]]) -> None:
+        from offload.materialize import materialize_values  # meta-built models (offload.init)
+        from offload.optim_state import HostOptimizerStates
+
+        self.units: list[FlatUnit] = []
+        self.states: list[UnitOptimizerState] = []
+        self._records: list[list[ParamRecord]] = []
+        cpu = torch.device("cpu")
+        on_nvme = self.optimizer_states is not None
+        # fp32 compute on the CPU: the parameter shard and the fp32 master are the same
+        # bytes, so the optimizer updates the parameters in place and nothing is copied.
+        alias_master = (
+            self.dtype == torch.float32
+            and self.param_tier.kind != "nvme"
+            and self.param_tier.device == cpu
+            and not on_nvme
+        )
+        mdtype = moments_dtype(self.config.optimizer.moments_dtype)
+        for index, (plan, layout, records) in enumerate(planned):
             shard_numel = layout.shard_numel
-            master = torch.zeros(shard_numel, dtype=torch.float32)
+            # On NVMe the master exists in host memory only while the unit is initialized
+            # (allocated on its first value, written out and dropped when complete).
+            master = None if on_nvme else torch.zeros(shard_numel, dtype=torch.float32)
             key = (index, "param")
             if alias_master:
                 self.param_tier.adopt(key, master)
@@ -245,26 +378,40 @@ class Engine:
                     shard_numel if trainable else 0, dtype=torch.float32,
                     pin_memory=self.device.type == "cuda",
                 ),
-                exp_avg=torch.zeros(n_opt, dtype=mdtype),
-                exp_avg_sq=torch.zeros(n_opt, dtype=mdtype),
+                exp_avg=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
+                exp_avg_sq=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
                 slot_steps=[0] * len(layout.slots),
                 slot_has_grad=[False] * len(layout.slots),
+                n_optimized=n_opt,
             )
             self.units.append(unit)
             self.states.append(state)
             self._records.append(records)
+        if self.optimizer_states is None:
+            self.optimizer_states = HostOptimizerStates(
+                self.states, staging=None if self.nvme is None else self.nvme.staging
+            )
         # Fill the masters from the model's values (or replay the init of a meta-built
-        # model, one module at a time), then write the low-precision shards.
+        # model, one module at a time); as soon as a unit has all its values, write its
+        # low-precision shard (and, on NVMe, its state; then drop the host master).
         slot_of = {
             id(rec.param): (ui, si)
             for ui, recs in enumerate(self._records)
             for si, rec in enumerate(recs)
         }
+        missing = [len(recs) for recs in self._records]
+        finished: set[int] = set()
         for pid, value in materialize_values(self.module, self._records, slot_of):
             ui, si = slot_of[pid]
             self._write_master_slot(ui, si, value)
-        for ui, (unit, state) in enumerate(zip(self.units, self.states)):
-            self._publish_shard(ui)
+            missing[ui] -= 1
+            if missing[ui] == 0:
+                self._finish_unit(ui)
+                finished.add(ui)
+        for ui in range(len(self.units)):
+            if ui not in finished:
+                self._finish_unit(ui)  # a unit without parameters
+        for ui, unit in enumerate(self.units):
             for rec, p in zip(self._records[ui], unit.params):
                 for owner, attr in rec.owners:
                     owner._parameters[attr] = p
@@ -274,7 +421,18 @@ class Engine:
         # memory goes back as soon as the caller drops its own references.
         del self._records
 
-    def _write_master_slot(self, ui: int, si: int, value: torch.Tensor) -> None:
+    def _finish_unit(self, ui: int) -> None:
+        st = self.states[ui]
+        if st.master is None:
+            st.master = torch.zeros(st.unit.layout.shard_numel, dtype=torch.float32)
+        self._publish_shard(ui, st.master)
+        if self.optimizer_states.kind == "nvme":
+            self.optimizer_states.initialize(ui, st.master)
+            st.master = None
+
+    def _write_master_slot(
+        self, ui: int, si: int, value: torch.Tensor, master: Optional[torch.Tensor] = None
+    ) -> None:
         layout = self.units[ui].layout
         slot = layout.slots[si]
         if tuple(value.shape) != slot.shape:
@@ -285,16 +443,21 @@ class Engine:
         if part is None:
             return
         p_off, s_off, n = part
+        if master is None:
+            st = self.states[ui]
+            if st.master is None:  # NVMe: this unit's first value during initialize
+                st.master = torch.zeros(layout.shard_numel, dtype=torch.float32)
+            master = st.master
         src = value.detach().reshape(-1)[p_off : p_off + n]
-        self.states[ui].master[s_off : s_off + n].copy_(src)
+        master[s_off : s_off + n].copy_(src)
 
-    def _publish_shard(self, ui: int) -> None:
+    def _publish_shard(self, ui: int, master: torch.Tensor) -> None:
         """Write unit ui's parameter shard (compute dtype, its tier) from its fp32 master."""
-        unit, st = self.units[ui], self.states[ui]
+        unit = self.units[ui]
         shard = self.param_tier.view(unit.key)
-        if shard is not None and shard.data_ptr() == st.master.data_ptr():
+        if shard is not None and shard.data_ptr() == master.data_ptr():
             return
-        wait(self.param_tier.store(unit.key, st.master.to(self.dtype)))
+        wait(self.param_tier.store(unit.key, master.to(self.dtype)))
         if unit.aliased:
             return
         if unit.state is UnitState.GATHERED:
@@ -519,6 +682,8 @@ class Engine:
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
+        # NVMe: the first units' state reads run under the overflow check and the norm.
+        self.optimizer.prefetch()
         self._sync_has_grad()
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         overflow = False
@@ -618,18 +783,19 @@ class Engine:
         beside the result."""
         want = self.rank == 0 or not rank0_only
         values: dict[tuple[int, int], torch.Tensor] = {}
-        for ui, (unit, st) in enumerate(zip(self.units, self.states)):
+        for ui, unit in enumerate(self.units):
             layout = unit.layout
-            if self.world_size == 1:
-                full = st.master
-            else:
-                dev = _dist.collective_device(self.pg, self.device)
-                full = torch.empty(layout.padded_numel, dtype=torch.float32, device=dev)
-                _dist.all_gather_into(full, st.master.to(dev), self.pg)
-            if want:
-                for si, s in enumerate(layout.slots):
-                    values[(ui, si)] = full[s.offset : s.end].view(s.shape).to("cpu", copy=True)
-            del full
+            with self.optimizer_states.open(ui) as t:  # NVMe: one unit's state at a time
+                if self.world_size == 1:
+                    full = t.master
+                else:
+                    dev = _dist.collective_device(self.pg, self.device)
+                    full = torch.empty(layout.padded_numel, dtype=torch.float32, device=dev)
+                    _dist.all_gather_into(full, t.master.to(dev), self.pg)
+                if want:
+                    for si, s in enumerate(layout.slots):
+                        values[(ui, si)] = full[s.offset : s.end].view(s.shape).to("cpu", copy=True)
+                del full
         if not want:
             return {}
         out: dict[str, Any] = {}
@@ -659,20 +825,24 @@ class Engine:
                     f"{'...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
                     f"{'...' if len(unexpected) > 10 else ''}"
                 )
-        done: set[tuple[int, int]] = set()
+        per_unit: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for key, (kind, what) in self._sd_index:
             if key not in state_dict:
                 continue
             value = state_dict[key]
             if kind == "param":
-                if what in done:
+                ui, si = what
+                if any(s == si for s, _ in per_unit.get(ui, ())):
                     continue
-                done.add(what)
-                self._write_master_slot(*what, torch.as_tensor(value))
+                per_unit.setdefault(ui, []).append((si, torch.as_tensor(value)))
             elif kind == "buffer":
                 what.copy_(torch.as_tensor(value).to(what.dtype))
         for ui in range(len(self.units)):
-            self._publish_shard(ui)
+            # One unit at a time: on NVMe its state is read, changed and written back.
+            with self.optimizer_states.open(ui, write=ui in per_unit) as t:
+                for si, value in per_unit.get(ui, ()):
+                    self._write_master_slot(ui, si, value, master=t.master)
+                self._publish_shard(ui, t.master)
 
     # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
 
@@ -700,9 +870,12 @@ class Engine:
         """Bytes the engine holds right now, per tier: 'device' (compute-device memory:
         parameter shards on the device tier, gathered full buffers, buffers), 'host' (CPU
         memory: parameter shards on the host tier, fp32 master, gradient shards, Adam
-        moments), 'nvme' (swap files; 0 until the NVMe tier). On a CPU run 'device' and
-        'host' are both main memory, kept apart so the split is visible."""
-        out = {"device": 0, "host": 0, "nvme": 0}
+        moments — with the optimizer on NVMe only the gradient shards), 'pinned' (the NVMe
+        staging pool: every byte it holds, in use or idle; host memory too, page-locked on a
+        GPU run), 'nvme' (swap files: parameter shards and optimizer states, page-rounded).
+        On a CPU run 'device' and 'host' are both main memory, kept apart so the split is
+        visible."""
+        out = {"device": 0, "host": 0, "pinned": 0, "nvme": 0}
         counted: set[int] = set()
 
         def add(kind: str, t: torch.Tensor) -> None:
@@ -713,33 +886,55 @@ class Engine:
             out[kind] += s.nbytes()
 
         for st in self.states:
-            for t in (st.master, st.grad, st.exp_avg, st.exp_avg_sq):
-                add("host", t)
-        bucket = {"host": "host", "device": "device", "nvme": "nvme"}[self.param_tier.kind]
+            add("host", st.grad)
+        for t in self.optimizer_states.host_tensors():
+            add("host", t)
+        out["nvme"] += self.optimizer_states.bytes_on_disk()
+        if self.param_tier.kind == "nvme":
+            out["nvme"] += self.param_tier.bytes_allocated()
         for unit in self.units:
             shard = self.param_tier.view(unit.key)
             if shard is not None:
-                add(bucket, shard)
-            else:  # not addressable (NVMe): count its size in the tier's bucket
-                out[bucket] += unit.layout.shard_numel * unit.full.element_size()
+                add({"host": "host", "device": "device"}[self.param_tier.kind], shard)
+            elif self.param_tier.kind != "nvme":  # not addressable, but in memory
+                out[self.param_tier.kind] += unit.layout.shard_numel * unit.full.element_size()
             add("device", unit.full)
         for b in self.module.buffers():
             add("device", b)
         staging = getattr(self.optimizer, "_staging", None)
         if staging is not None:
             add("host", staging)
+        if self.nvme is not None:
+            out["pinned"] = self.nvme.staging.pool.bytes_reserved
         return out
 
+    def io_stats(self) -> dict[str, float]:
+        """What the NVMe tiers moved since `initialize`: bytes read and written, and seconds
+        the engine's thread waited for I/O (all zero without an NVMe tier)."""
+        if self.nvme is None:
+            return {"bytes_read": 0, "bytes_written": 0, "wait_s": 0.0}
+        return self.nvme.stats.snapshot()
+
     def close(self) -> None:
-        """Remove the hooks; destroy the process group if this engine started it."""
+        """Remove the hooks; wait for NVMe writes, stop the I/O workers and delete this
+        rank's swap files; destroy the process group if this engine started it.
+        Idempotent; also what `with initialize(...) as engine:` does on exit."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._finalizer is not None:
+            self._finalizer()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():
             # Every rank leaves together: gloo aborts a process whose peer tears its
             # connections down while it is still tearing down its own.
             dist.barrier()
             dist.destroy_process_group()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _module_by_name(model: nn.Module, name: str) -> nn.Module:

@@ -238,7 +238,8 @@ class BufferPool:
         fits = [b for b in self._idle if capacity <= b.numel() <= 2 * capacity]
         if fits:
             best = min(fits, key=lambda b: b.numel())
-            self._idle.remove(best)
+            # By identity: list.remove compares with ==, which on tensors is elementwise.
+            del self._idle[next(i for i, b in enumerate(self._idle) if b is best)]
             return best
         if self._reserved + capacity > self.budget_bytes:
             # Free idle buffers, largest first, if that makes room.

@@ -1,12 +1,15 @@
-"""The optimizer over shards: fp32 master + Adam moments per unit shard, in CPU memory.
+"""The optimizer over shards: fp32 master + Adam moments per unit shard, in CPU memory or on NVMe.
 
 `ShardedAdam` is a `torch.optim.Optimizer` so that every `torch.optim.lr_scheduler` drives
 it through `param_groups` (lr, betas, eps, weight_decay per group). Its state is not
 torch's per-parameter dict but one `UnitOptimizerState` per unit: flat fp32 tensors
-covering this rank's shard. One step calls `offload.optim.adam_step_flat` once per run of
-elements sharing a group and a step count (usually once per group per unit), with the
-loss-scale/clip factor folded into `grad_scale` and the new low-precision parameters
-written in the same pass (`out_lowp`).
+covering this rank's shard, kept by a store (`offload.optim_state`: host memory, or a swap
+file on NVMe streamed through pinned buffers). One step calls `offload.optim.adam_step_flat`
+once per run of elements sharing a group and a step count (usually once per group per unit),
+with the loss-scale/clip factor folded into `grad_scale` and the new low-precision parameters
+written in the same pass (`out_lowp`). The units go through the store's pipeline
+([Note: optimizer pipeline] in offload/optim_state.py): with NVMe, unit i+1's state is read
+while unit i is updated and unit i-1's state and parameter shard are written back.
 
 Semantics are torch.optim.AdamW's (or Adam's with L2 when type='Adam'): a parameter that
 received no gradient in a step is skipped (no decay, no moment update, its step count does
@@ -23,6 +26,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from offload.io import align_up
+from offload.optim_state import HostOptimizerStates, UnitTensors
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
 from offload.tiers import Tier, wait
 
@@ -31,22 +36,27 @@ _MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass
 class UnitOptimizerState:
-    """One unit's optimizer state on this rank (host memory).
+    """One unit's optimizer state on this rank.
 
     master: fp32, the whole shard (frozen parameters too: full_state_dict reads it).
     grad: fp32, the whole shard; reduce-scatter output, accumulated over micro-batches.
+        Always in host memory.
     exp_avg / exp_avg_sq: the shard's optimized prefix only (frozen parameters get none).
+    With the optimizer tier on NVMe, master / exp_avg / exp_avg_sq are None: the state lives
+    in the swap file and is reached through `ShardedAdam.unit_state` or the step.
     """
 
     unit: FlatUnit
-    master: torch.Tensor
+    master: Optional[torch.Tensor]
     grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
     slot_steps: list[int]
     slot_has_grad: list[bool] = field(default_factory=list)
     grad_valid: bool = False
     """False until the first micro-batch of a step writes `grad` (then later ones add)."""
+    n_optimized: int = 0
+    """Elements [0, n_optimized) of the shard carry moments."""
 
     @property
     def layout(self) -> UnitLayout:
@@ -54,12 +64,13 @@ class UnitOptimizerState:
 
     @property
     def optimized_numel(self) -> int:
-        return self.exp_avg.numel()
+        return self.n_optimized
 
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
             for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)
+            if t is not None
         )
 
 
@@ -78,10 +89,13 @@ class ShardedAdam(torch.optim.Optimizer):
         param_tier: Tier,
         threads: int = 0,
         adam_fn: Optional[Callable[..., None]] = None,
+        store: Any = None,
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
         super().__init__(param_groups, defaults)
         self.unit_states = states
+        self.store = store if store is not None else HostOptimizerStates(states)
+        """Where master and moments live (`offload.optim_state`): 'host' or 'nvme'."""
         self.decoupled_weight_decay = decoupled_weight_decay
         self.rank = rank
         self.param_tier = param_tier
@@ -110,32 +124,32 @@ class ShardedAdam(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("ShardedAdam.step takes no closure; call engine.step()")
         if grad_scale is None:
+            self.store.cancel_prefetch()
             return
         adam = self._adam()
-        for st in self.unit_states:
-            if st.optimized_numel == 0 and not _any_optimized(st.layout):
-                continue
+        for i, t in self.store.stream(self._work(), self._scratch_bytes):
+            st = self.unit_states[i]
             active = [
                 has and slot.group != FROZEN_GROUP
                 for has, slot in zip(st.slot_has_grad, st.layout.slots)
             ]
             new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
             runs = update_runs(st.layout, self.rank, active, new_steps)
-            lowp = self._lowp_target(st)
+            lowp = self._lowp_target(st, t)
             if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
                 # A staging buffer is stored whole: what the runs do not write (frozen or
                 # gradient-less parameters, gaps, padding) must hold the shard's current
                 # values, which are always the master rounded to the compute dtype.
-                _fill_outside_runs(lowp, st.master, runs)
+                _fill_outside_runs(lowp, t.master, runs)
             for run in runs:
                 g = self.param_groups[run.group]
                 beta1, beta2 = g["betas"]
                 sl = slice(run.start, run.end)
                 adam(
-                    st.master[sl],
+                    t.master[sl],
                     st.grad[sl],
-                    st.exp_avg[sl],
-                    st.exp_avg_sq[sl],
+                    t.exp_avg[sl],
+                    t.exp_avg_sq[sl],
                     step=run.step,
                     lr=float(g["lr"]),
                     beta1=float(beta1),
@@ -147,12 +161,32 @@ class ShardedAdam(torch.optim.Optimizer):
                     out_lowp=None if lowp is None else lowp[sl],
                 )
             st.slot_steps = new_steps
-            self._publish(st, lowp, bool(runs))
+            self._publish(st, t, lowp, bool(runs))
 
-    def _lowp_target(self, st: UnitOptimizerState) -> Optional[torch.Tensor]:
+    def prefetch(self) -> None:
+        """Start reading the first units' state for the coming `step` (NVMe; a no-op in
+        memory). The engine calls it before the overflow check and gradient norm."""
+        self.store.prefetch(self._work(), self._scratch_bytes)
+
+    def _work(self) -> list[int]:
+        return [
+            i for i, st in enumerate(self.unit_states)
+            if st.optimized_numel or _any_optimized(st.layout)
+        ]
+
+    def _scratch_bytes(self, index: int) -> int:
+        """Pooled bytes the step needs beside unit `index`'s state: its new low-precision
+        shard, when the parameter tier is NVMe (written from there without a copy)."""
+        unit = self.unit_states[index].unit
+        if self.param_tier.kind != "nvme" or unit.dtype == torch.float32:
+            return 0
+        return align_up(unit.layout.shard_numel * unit.full.element_size())
+
+    def _lowp_target(self, st: UnitOptimizerState, t: UnitTensors) -> Optional[torch.Tensor]:
         """Where the updated low-precision parameters go: the tier's shard itself when it is
-        host memory, else a host staging buffer copied to the tier after the update; None
-        when the parameter shard is the fp32 master itself (or fp32 is stored by copy)."""
+        host memory, the step's pooled scratch when the tier is NVMe, else a host staging
+        buffer copied to the tier after the update; None when the parameter shard is the
+        fp32 master itself (or fp32 is stored by copy)."""
         unit = st.unit
         if unit.dtype == torch.float32:
             return None
@@ -160,27 +194,38 @@ class ShardedAdam(torch.optim.Optimizer):
         if shard is not None and shard.device.type == "cpu":
             return shard
         n = unit.layout.shard_numel
+        if t.scratch is not None:
+            return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
         if self._staging is None or self._staging.numel() < n or self._staging.dtype != unit.dtype:
             pin = torch.cuda.is_available()
             self._staging = torch.empty(n, dtype=unit.dtype, pin_memory=pin)
         return self._staging[:n]
 
-    def _publish(self, st: UnitOptimizerState, lowp: Optional[torch.Tensor], updated: bool) -> None:
+    def _publish(
+        self, st: UnitOptimizerState, t: UnitTensors, lowp: Optional[torch.Tensor], updated: bool
+    ) -> None:
         unit = st.unit
         if not updated:
             return
         shard = self.param_tier.view(unit.key)
         if unit.dtype == torch.float32:
-            if shard is None or shard.data_ptr() != st.master.data_ptr():
-                wait(self.param_tier.store(unit.key, st.master))
+            if shard is None or shard.data_ptr() != t.master.data_ptr():
+                self._store(t, unit, t.master)
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
-            wait(self.param_tier.store(unit.key, lowp))
+            self._store(t, unit, lowp)
             if lowp.is_pinned() and shard is not None and shard.device.type == "cuda":
                 # The staging buffer is reused by the next unit: its asynchronous upload
                 # must have finished reading it. (Double-buffering is the scheduler's job.)
                 torch.cuda.current_stream(shard.device).synchronize()
         # A unit that stays gathered (world size 1, aliased) already sees the new values;
         # any other is re-gathered from the updated shard before its next use.
+
+    def _store(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor) -> None:
+        handle = self.param_tier.store(unit.key, src)
+        if t.owns(src):
+            t.hold(handle)  # written from the pipeline's buffer: it outlives the write
+        else:
+            wait(handle)  # `src` is reused (staging) or changes next step (host master)
 
     @contextlib.contextmanager
     def unit_state(self, index: int) -> Iterator[dict[str, Any]]:
@@ -193,27 +238,36 @@ class ShardedAdam(torch.optim.Optimizer):
         larger than host memory streams through a bounded amount of it.
         """
         st = self._state_of(index)
-        yield {
-            "master": st.master,
-            "exp_avg": st.exp_avg,
-            "exp_avg_sq": st.exp_avg_sq,
-            "slot_steps": list(st.slot_steps),
-        }
+        with self.store.open(st.unit.index) as t:
+            yield {
+                "master": t.master,
+                "exp_avg": t.exp_avg,
+                "exp_avg_sq": t.exp_avg_sq,
+                "slot_steps": list(st.slot_steps),
+            }
 
     def load_unit_state(self, index: int, state: Mapping[str, Any]) -> None:
         """Overwrite unit `index`'s state (same keys as `unit_state`) and republish its
-        parameter shard from the new master. Shapes must match this engine's layout."""
+        parameter shard from the new master. Shapes must match this engine's layout. With
+        the state on NVMe it is written through to the swap file."""
         st = self._state_of(index)
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            src, dst = state[name], getattr(st, name)
-            if tuple(src.shape) != tuple(dst.shape):
+        want = {
+            "master": (st.layout.shard_numel,),
+            "exp_avg": (st.optimized_numel,),
+            "exp_avg_sq": (st.optimized_numel,),
+        }
+        for name, shape in want.items():
+            src = state[name]
+            if tuple(src.shape) != shape:
                 raise ValueError(
                     f"unit {st.unit.name or '<root>'} {name}: saved shape {tuple(src.shape)} "
-                    f"!= this engine's {tuple(dst.shape)} (different model or world size)"
+                    f"!= this engine's {shape} (different model or world size)"
                 )
-            dst.copy_(src)
-        st.slot_steps = [int(s) for s in state["slot_steps"]]
-        _publish_master(self, st)
+        with self.store.open(st.unit.index, write=True) as t:
+            for name in want:
+                getattr(t, name).copy_(state[name])
+            st.slot_steps = [int(s) for s in state["slot_steps"]]
+            _publish_master(self, st, t.master)
 
     def _state_of(self, index: int) -> UnitOptimizerState:
         for st in self.unit_states:
@@ -230,19 +284,21 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (shards), with torch's param_groups layout. Engine checkpoints
-        add the manifest needed to re-shard it."""
+        add the manifest needed to re-shard it. With the state in host memory the tensors
+        are the live ones; on NVMe they are copies read from the swap file (the whole state
+        in host memory at once: stream with `unit_state` instead for large models)."""
         groups = []
         for g in self.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params"})
-        state = {
-            st.unit.index: {
-                "master": st.master,
-                "exp_avg": st.exp_avg,
-                "exp_avg_sq": st.exp_avg_sq,
-                "slot_steps": list(st.slot_steps),
-            }
-            for st in self.unit_states
-        }
+        state = {}
+        copy = self.store.kind != "host"
+        for st in self.unit_states:
+            with self.store.open(st.unit.index) as t:
+                state[st.unit.index] = {
+                    name: (getattr(t, name).clone() if copy else getattr(t, name))
+                    for name in ("master", "exp_avg", "exp_avg_sq")
+                }
+                state[st.unit.index]["slot_steps"] = list(st.slot_steps)
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -258,13 +314,13 @@ class ShardedAdam(torch.optim.Optimizer):
             self.load_unit_state(int(idx), s)
 
 
-def _publish_master(opt: ShardedAdam, st: UnitOptimizerState) -> None:
+def _publish_master(opt: ShardedAdam, st: UnitOptimizerState, master: torch.Tensor) -> None:
     """Write the parameter shard from the fp32 master (after loading weights)."""
     unit = st.unit
     shard = opt.param_tier.view(unit.key)
-    if shard is not None and shard.data_ptr() == st.master.data_ptr():
+    if shard is not None and shard.data_ptr() == master.data_ptr():
         return
-    wait(opt.param_tier.store(unit.key, st.master.to(unit.dtype)))
+    wait(opt.param_tier.store(unit.key, master.to(unit.dtype)))
 
 
 def _is_shard(tier: Tier, st: UnitOptimizerState, t: torch.Tensor) -> bool:

@@ -121,9 +121,17 @@ class SwapDirectory:
         check_swap_dir(nvme_path)
         self.rank = rank
         self.path = os.path.join(nvme_path, SWAP_SUBDIR)
-        os.makedirs(self.path, exist_ok=True)
         self._lock_path = os.path.join(self.path, f"rank{rank}.lock")
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        for attempt in range(100):
+            os.makedirs(self.path, exist_ok=True)
+            try:
+                self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+                break
+            except FileNotFoundError:
+                # Another rank's close() removed the (then empty) directory between our
+                # makedirs and open; once our lock file is in it, it stays.
+                if attempt == 99:
+                    raise
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -221,8 +229,13 @@ class SwapFile:
         os.close(fd)
         self._written = [False] * len(slots)
 
-    def mark_written(self, index: int) -> None:
-        self._written[index] = True
+    def mark_written(self, index: int, written: bool = True) -> None:
+        """Record that slot `index` holds data of this run (False after a failed write: its
+        bytes are then undefined and must not be read)."""
+        self._written[index] = bool(written)
+
+    def is_written(self, index: int) -> bool:
+        return self._written[index]
 
     def check_readable(self, index: int) -> Slot:
         """The slot to read; raises if nothing was written there in this run."""

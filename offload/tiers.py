@@ -1,4 +1,4 @@
-"""Where a shard's bytes live between uses: the compute device, host memory, (next) NVMe.
+"""Where a shard's bytes live between uses: the compute device, host memory, NVMe.
 
 One small interface, so the engine never asks which tier it talks to:
 
@@ -10,17 +10,20 @@ One small interface, so the engine never asks which tier it talks to:
 - `free(key)` releases it; `bytes_allocated()` is what the tier holds right now.
 
 Keys are small hashables chosen by the caller (the engine uses `(unit_index, "param")`).
-The NVMe tier (issue 6) implements the same methods over `offload.io`'s AIOHandle and
-pinned BufferPool; `fetch`/`store` then become asynchronous and return a handle, which is
-why callers here already treat the return value as "something to wait on" (`wait(handle)`).
+`NVMeTier` implements the same methods over `offload.io`'s AIOHandle and the pinned staging
+pool (`offload.nvme.Staging`); its `fetch`/`store` are asynchronous and return a handle, which
+is why callers treat every return value as "something to wait on" (`wait(handle)`).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
+
+from offload.io import ALIGNMENT
+from offload.nvme import NVMeContext, Pending
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -140,17 +143,204 @@ class HostTier(Tier):
         return t
 
 
-def make_param_tier(param_tier: str, compute_device: torch.device, pin_memory: bool) -> Tier:
-    """The tier for low-precision parameter shards, from `config.offload.param_tier`."""
+class NVMeTier(Tier):
+    """Shards in a swap file on NVMe: one 4 KiB-aligned slot per shard, reserved (and the
+    file preallocated) at construction, so `allocate` only checks the key.
+
+    `view()` is None: bytes are reached only through `fetch` (read into the caller's buffer,
+    directly when it is page-aligned host memory, else through a staging buffer and a copy)
+    and `store` (written from the caller's buffer when page-aligned host memory, else from a
+    staging copy). Both return a `Pending`; see [Note: slot ordering] in offload/nvme.py for
+    why a fetch never sees a shard whose write is still in flight.
+
+    A `store` written directly from the caller's buffer reads that buffer until the handle
+    completes: the caller keeps it unchanged until then (waits, or holds the buffer). A
+    staged `store` copies first, so the caller may reuse `src` at once; the staging buffer
+    goes back to the pool when the write completes.
+
+    Prefetch (issue 7) slots in here: `fetch` already only submits the read, and the copy
+    into `out` happens when the handle is waited on.
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        context: NVMeContext,
+        shards: Sequence[tuple[Hashable, int, torch.dtype]],
+        name: str = "param",
+    ) -> None:
+        super().__init__()
+        self._ctx = context
+        self._index: dict[Hashable, int] = {}
+        self._spec: list[tuple[int, torch.dtype]] = []
+        sizes = []
+        for i, (key, numel, dtype) in enumerate(shards):
+            if key in self._index:
+                raise KeyError(f"shard {key!r} is listed twice for the NVMe tier")
+            self._index[key] = i
+            self._spec.append((int(numel), dtype))
+            sizes.append(int(numel) * _itemsize(dtype))
+        self._swap = context.directory.create(name, sizes)
+        self._last_write: list[Optional[Pending]] = [None] * len(sizes)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def path(self) -> str:
+        return self._swap.path
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover
+        raise TypeError("the NVMe tier holds no tensors")
+
+    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype) -> None:  # type: ignore[override]
+        i = self._slot(key)
+        if self._spec[i] != (numel, dtype):
+            raise ValueError(
+                f"shard {key!r} was reserved as {self._spec[i][0]} x {self._spec[i][1]}, "
+                f"not {numel} x {dtype}"
+            )
+        return None
+
+    def adopt(self, key: Hashable, tensor: torch.Tensor) -> None:
+        raise TypeError("the NVMe tier cannot adopt a tensor: its shards live in a swap file")
+
+    def view(self, key: Hashable) -> Optional[torch.Tensor]:
+        self._slot(key)
+        return None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._index
+
+    def fetch(self, key: Hashable, out: torch.Tensor) -> Pending:
+        i = self._slot(key)
+        self._check_buffer(key, i, out)
+        self._wait_write(i)  # [Note: slot ordering]
+        slot = self._swap.check_readable(i)
+        ctx = self._ctx
+        ctx.stats.bytes_read += slot.nbytes
+        if _direct_ok(out):
+            req = ctx.aio.pread(out, self._swap.path, slot.offset)
+            return Pending([req], stats=ctx.stats)
+        buf = ctx.staging.acquire(slot.nbytes)
+        try:
+            req = ctx.aio.pread(buf, self._swap.path, slot.offset)
+        except BaseException:
+            ctx.staging.release(buf)
+            raise
+        dtype = self._spec[i][1]
+        # A synchronous copy: the staging buffer is released right after it, so an
+        # asynchronous host-to-device copy could still be reading it (issue 7 adds events).
+        return Pending(
+            [req],
+            then=lambda: out.copy_(buf.view(dtype)),
+            release=lambda: ctx.staging.release(buf),
+            stats=ctx.stats,
+        )
+
+    def store(self, key: Hashable, src: torch.Tensor) -> Pending:
+        i = self._slot(key)
+        self._check_buffer(key, i, src)
+        self._wait_write(i)  # two writes of one range in flight would be unordered
+        slot = self._swap.slots[i]
+        ctx = self._ctx
+        on_error = lambda: self._swap.mark_written(i, False)  # noqa: E731
+        if _direct_ok(src):
+            req = ctx.aio.pwrite(src, self._swap.path, slot.offset)
+            handle = Pending([req], on_error=on_error, stats=ctx.stats)
+        else:
+            buf = ctx.staging.acquire(slot.nbytes)
+            try:
+                buf.view(src.dtype).copy_(src.reshape(-1))
+                req = ctx.aio.pwrite(buf, self._swap.path, slot.offset)
+            except BaseException:
+                ctx.staging.release(buf)
+                raise
+            handle = Pending(
+                [req], on_error=on_error, release=lambda: ctx.staging.release(buf), stats=ctx.stats
+            )
+            ctx.staging.track(handle)
+        ctx.stats.bytes_written += slot.nbytes
+        self._swap.mark_written(i)
+        self._last_write[i] = handle
+        return handle
+
+    def free(self, key: Hashable) -> None:
+        i = self._slot(key)
+        self._wait_write(i)
+        self._swap.mark_written(i, False)
+
+    def flush(self) -> None:
+        """Wait for every write of this tier (raises the first failure)."""
+        for i in range(len(self._last_write)):
+            self._wait_write(i)
+
+    def bytes_allocated(self) -> int:
+        """Bytes of the swap file (every slot, page-rounded), on disk."""
+        return self._swap.total_bytes
+
+    def _slot(self, key: Hashable) -> int:
+        try:
+            return self._index[key]
+        except KeyError:
+            raise KeyError(
+                f"shard {key!r} was not reserved in the NVMe tier (its slots are planned when "
+                "the tier is built)"
+            ) from None
+
+    def _wait_write(self, i: int) -> None:
+        h = self._last_write[i]
+        if h is not None:
+            h.wait()  # raises again if that write failed; the slot is then unreadable
+            self._last_write[i] = None
+
+    def _check_buffer(self, key: Hashable, i: int, buf: torch.Tensor) -> None:
+        numel, dtype = self._spec[i]
+        if buf.numel() != numel or buf.dtype != dtype:
+            raise ValueError(
+                f"shard {key!r} is {numel} x {dtype} but the buffer is "
+                f"{buf.numel()} x {buf.dtype}; they must match"
+            )
+        if not buf.is_contiguous():
+            raise ValueError(f"shard {key!r}: the buffer must be contiguous")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _direct_ok(t: torch.Tensor) -> bool:
+    """Host memory the AIO engine can move by O_DIRECT without a staging copy."""
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.data_ptr() % ALIGNMENT == 0
+        and (t.numel() * t.element_size()) % ALIGNMENT == 0
+    )
+
+
+def make_param_tier(
+    param_tier: str,
+    compute_device: torch.device,
+    pin_memory: bool,
+    nvme: Optional[NVMeContext] = None,
+    shards: Sequence[tuple[Hashable, int, torch.dtype]] = (),
+) -> Tier:
+    """The tier for low-precision parameter shards, from `config.offload.param_tier`.
+    'nvme' needs the rank's `NVMeContext` and every shard (key, numel, dtype) up front."""
     if param_tier == "device":
         return DeviceTier(compute_device)
     if param_tier == "cpu":
         return HostTier(pin_memory=pin_memory and compute_device.type == "cuda")
     if param_tier == "nvme":
-        raise NotImplementedError(
-            "offload.param_tier='nvme' is not available yet (the NVMe tier is the next "
-            "milestone); use param_tier='cpu' or 'device'"
-        )
+        if nvme is None:
+            raise ValueError(
+                "offload.param_tier='nvme' needs the rank's NVMe context (swap directory, AIO "
+                "handle, staging pool); offload.initialize builds it from offload.nvme_path"
+            )
+        return NVMeTier(nvme, shards)
     raise ValueError(f"offload.param_tier={param_tier!r}; allowed: 'device', 'cpu', 'nvme'")
 
 

@@ -743,6 +743,17 @@ def test_pool_refuses_what_can_never_fit_and_frees_idle_for_new_sizes():
     pool.release(y)
 
 
+def test_pool_picks_the_fitting_idle_buffer_among_several():
+    # The fitting buffer is not the first idle one: taking it out of the idle list must go
+    # by identity (list.remove compares tensors elementwise and raised here).
+    pool = BufferPool(MiB, pin=False)
+    small, big = pool.acquire(40960), pool.acquire(163840)
+    pool.release(small)
+    pool.release(big)
+    again = pool.acquire(163840)
+    assert again.data_ptr() == big.data_ptr() and pool.bytes_reserved == 40960 + 163840
+
+
 def test_pool_blocks_until_release_and_times_out():
     pool = BufferPool(MiB, pin=False)
     held = pool.acquire(MiB)

@@ -89,7 +89,10 @@ def test_unwritten_slot_refuses_to_be_read(tmp_path):
         with pytest.raises(RuntimeError, match="slot 1 .* was never written in this run"):
             f.check_readable(1)
         f.mark_written(1)
-        assert f.check_readable(1).offset == 4096
+        assert f.check_readable(1).offset == 4096 and f.is_written(1)
+        f.mark_written(1, False)  # a failed write: its bytes are undefined again
+        with pytest.raises(RuntimeError, match="never written"):
+            f.check_readable(1)
 
 
 _HOLD = textwrap.dedent(

@@ -57,7 +57,7 @@ def test_param_tier_choice():
     cpu = torch.device("cpu")
     assert make_param_tier("device", cpu, True).kind == "device"
     assert make_param_tier("cpu", cpu, True).kind == "host"
-    with pytest.raises(NotImplementedError, match="nvme"):
+    with pytest.raises(ValueError, match="needs the rank's NVMe context"):
         make_param_tier("nvme", cpu, True)
     with pytest.raises(ValueError, match="allowed"):
         make_param_tier("disk", cpu, True)
@@ -77,3 +77,35 @@ def test_host_tier_is_pinned_and_copies_to_gpu():
     dev.allocate("u", 1 << 20, torch.bfloat16)
     dev.store("u", shard)
     assert torch.equal(dev.view("u").cpu(), shard)
+
+
+def test_nvme_tier_roundtrip_direct_and_staged(tmp_path):
+    from offload.io import aligned_empty
+    from offload.nvme import NVMeContext
+
+    ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=1 << 16, queue_depth=4, threads=1)
+    try:
+        tier = make_param_tier("nvme", torch.device("cpu"), False, nvme=ctx,
+                               shards=[("u0", 4096, torch.bfloat16), ("u1", 2048, torch.float32)])
+        assert tier.kind == "nvme" and tier.view("u0") is None
+        assert tier.bytes_allocated() == 8192 + 8192
+        tier.allocate("u0", 4096, torch.bfloat16)  # reserved at construction: a check only
+        with pytest.raises(ValueError, match="reserved as"):
+            tier.allocate("u0", 10, torch.bfloat16)
+        with pytest.raises(KeyError, match="not reserved"):
+            tier.fetch("nope", torch.empty(1))
+        direct = aligned_empty(8192, torch.float32)[:2048]  # page-aligned: no staging copy
+        direct.copy_(torch.arange(2048.0))
+        tier.store("u1", direct).wait()
+        staged = torch.arange(4096.0).bfloat16()[1:].clone()  # not page-aligned
+        staged = torch.cat([staged, staged[:1]])
+        tier.store("u0", staged)
+        out = torch.empty(4096, dtype=torch.bfloat16)
+        tier.fetch("u0", out).wait()
+        assert torch.equal(out, staged)
+        out1 = aligned_empty(8192, torch.float32)
+        tier.fetch("u1", out1).wait()
+        assert torch.equal(out1, direct)
+        assert ctx.staging.pool.bytes_in_use == 0 or len(ctx.staging) > 0
+    finally:
+        ctx.close()

@@ -1,5 +1,8 @@
 """`offload.init(config)`: build a model directly into its shards.
 
+(The module is `meta_init`, not `init`, so that importing it never shadows the
+`offload.init` context in the package namespace.)
+
     with offload.init(config):
         model = GPT(cfg)                          # parameters on the meta device
     engine = offload.initialize(model, config)    # materialised unit by unit into shards
@@ -10,8 +13,6 @@ The replay and its guarantees are in `offload.materialize`.
 from __future__ import annotations
 
 import contextlib
-import sys
-import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -47,14 +48,3 @@ class init(contextlib.AbstractContextManager):
         self._device_ctx.__exit__(*exc)
         self._device_ctx = None
         _materialize.set_pending_init_fn(self.init_fn)
-
-
-class _CallableModule(types.ModuleType):
-    # `import offload.init` binds the *module* to `offload.init`, shadowing the context
-    # class of the same name; calling the module builds the context, so `offload.init(cfg)`
-    # works whichever of the two the name ends up bound to.
-    def __call__(self, *args: Any, **kwargs: Any) -> init:
-        return init(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

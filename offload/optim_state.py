@@ -1,0 +1,359 @@
+"""Where the optimizer state of each unit lives: host memory or a swap file on NVMe.
+
+A unit's state on this rank is its fp32 master (the whole shard), and the Adam moments
+`exp_avg` and `exp_avg_sq` over the shard's optimized prefix. Two stores keep it:
+
+- `HostOptimizerStates`: tensors in CPU memory (the `UnitOptimizerState` fields).
+- `NVMeOptimizerStates`: one slot per unit in the rank's `optim` swap file, laid out by
+  `state_layout` so that one sequential read and one write move the whole state; the step
+  streams units through pooled staging buffers (see [Note: optimizer pipeline]).
+
+Both offer the same two ways in, which `offload.step.ShardedAdam` uses:
+- `open(index, write=False)`: a context yielding the unit's tensors (for checkpoints,
+  consolidation, loading); with `write=True` what the caller changed is written back on exit.
+- `stream(indices, scratch_bytes)`: the step's pipeline over units, yielding each unit's
+  tensors in order, plus `scratch` bytes beside them for the new low-precision shard.
+
+Gradient shards are not here: they stay in host memory (fp32, 4 bytes per parameter of
+the shard), written by the reduce-scatter during backward and read by the update.
+
+[Note: optimizer pipeline]
+With the state on NVMe, the step reads unit i+1's state while the CPU Adam updates unit i,
+while unit i-1's state (and its new parameter shard) is written back:
+
+    iteration i: ensure read(i) submitted -> try to submit read(i+1) -> wait read(i)
+                 -> caller updates unit i -> submit write(i) (tracked, buffer held)
+
+Reads and writes are asynchronous AIO requests; their buffers come from the staging pool
+(`offload.nvme.Staging`). The read of i+1 is submitted only when a buffer is free without
+waiting (else it is submitted next iteration, after the oldest writes have been waited for),
+so the pipeline overlaps as deep as the budget allows: 3 units' working sets give the full
+read / update / write overlap, 1 runs the stages one after another. Writes are not waited for
+at the end of the step: they finish behind the next forward, and anything that reads a slot
+first waits on its last write ([Note: slot ordering] in offload/nvme.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from offload.io import align_up
+from offload.nvme import NVMeContext, Pending, wait_quietly
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Byte layout of one unit's optimizer state in its slot (and its staging buffer):
+    master (fp32) at 0, exp_avg and exp_avg_sq each at a page-aligned offset after it."""
+
+    master_numel: int
+    moment_numel: int
+    moment_itemsize: int
+    exp_avg_offset: int
+    exp_avg_sq_offset: int
+    nbytes: int
+    """Total, a multiple of 4096 (O_DIRECT)."""
+
+
+def state_layout(master_numel: int, moment_numel: int, moment_itemsize: int) -> StateLayout:
+    """Pure arithmetic: each tensor page-aligned, so each is a SIMD-aligned view of one buffer
+    and the whole moves with one aligned request."""
+    if master_numel < 0 or moment_numel < 0 or moment_itemsize <= 0:
+        raise ValueError(f"bad state sizes: {master_numel}, {moment_numel}, {moment_itemsize}")
+    m = align_up(master_numel * 4)
+    a = align_up(moment_numel * moment_itemsize)
+    return StateLayout(master_numel, moment_numel, moment_itemsize, m, m + a, m + 2 * a)
+
+
+@dataclass
+class UnitTensors:
+    """One unit's state tensors as a caller sees them (valid until the context/step moves
+    on), and `scratch`: page-aligned bytes for the caller (the new low-precision shard)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    scratch: Optional[torch.Tensor] = None
+    holds: list[Any] = field(default_factory=list)
+    """Handles of writes that read from this unit's buffers: they complete before the
+    buffers are reused (`hold`)."""
+    _buffers: tuple[torch.Tensor, ...] = ()
+
+    def hold(self, handle: Any) -> None:
+        if handle is not None:
+            self.holds.append(handle)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in this unit's pooled buffers (then a write from it must be held,
+        not waited for, and the buffer outlives it)."""
+        p = t.data_ptr()
+        for b in self._buffers:
+            if b.data_ptr() <= p < b.data_ptr() + b.numel() * b.element_size():
+                return True
+        return False
+
+
+class HostOptimizerStates:
+    """Optimizer state in host memory: the tensors of each `UnitOptimizerState`."""
+
+    kind = "host"
+
+    def __init__(self, states: Sequence[Any], staging: Any = None) -> None:
+        self._states = states
+        self._staging = staging
+        """The NVMe staging pool when the parameter tier is on NVMe (scratch comes from it)."""
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        st = self._states[index]
+        if st.master is not master:
+            st.master.copy_(master)
+
+    @contextlib.contextmanager
+    def open(self, index: int, write: bool = False) -> Iterator[UnitTensors]:
+        st = self._states[index]
+        yield UnitTensors(st.master, st.exp_avg, st.exp_avg_sq)
+
+    def stream(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
+    ) -> Iterator[tuple[int, UnitTensors]]:
+        for i in indices:
+            st = self._states[i]
+            nbytes = scratch_bytes(i)
+            buf = None
+            if nbytes:
+                if self._staging is None:
+                    raise RuntimeError("scratch bytes asked of a host store without a staging pool")
+                buf = self._staging.acquire(nbytes)
+            t = UnitTensors(st.master, st.exp_avg, st.exp_avg_sq, scratch=buf,
+                            _buffers=() if buf is None else (buf,))
+            try:
+                yield i, t
+            except BaseException:
+                wait_quietly(t.holds)
+                if buf is not None:
+                    self._staging.release(buf)
+                raise
+            if buf is not None:
+                staging = self._staging
+                self._staging.track(Pending(t.holds, release=lambda b=buf: staging.release(b)))
+            else:
+                for h in t.holds:
+                    h.wait()
+
+    def prefetch(self, indices: Sequence[int], scratch_bytes: Callable[[int], int]) -> None:
+        """Nothing to read ahead: the state is in memory."""
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+    def bytes_on_disk(self) -> int:
+        return 0
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self._states:
+            for t in (st.master, st.exp_avg, st.exp_avg_sq):
+                if t is not None:
+                    yield t
+
+
+class NVMeOptimizerStates:
+    """Optimizer state in the rank's `optim` swap file, one slot per unit (`state_layout`).
+
+    Nothing of it stays in host memory between uses: `open` and `stream` read a unit into a
+    staging buffer, and write it back from there. See [Note: optimizer pipeline].
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        context: NVMeContext,
+        sizes: Sequence[tuple[int, int]],
+        moment_dtype: torch.dtype,
+    ) -> None:
+        self._ctx = context
+        self.moment_dtype = moment_dtype
+        itemsize = torch.empty((), dtype=moment_dtype).element_size()
+        self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
+        self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
+        self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
+        self._prefetched: dict[int, tuple[torch.Tensor, Pending]] = {}
+        """Reads submitted ahead of the step (`prefetch`), consumed by `stream`."""
+
+    @property
+    def path(self) -> str:
+        return self._swap.path
+
+    def bytes_on_disk(self) -> int:
+        return self._swap.total_bytes
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    # -- one unit --------------------------------------------------------------------------
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        """Write unit `index`'s first state: `master`, zero moments (the write runs on)."""
+        lay = self.layouts[index]
+        buf = self._ctx.staging.acquire(lay.nbytes)
+        try:
+            t = self._views(index, buf)
+            t.master.copy_(master)
+            t.exp_avg.zero_()
+            t.exp_avg_sq.zero_()
+        except BaseException:
+            self._ctx.staging.release(buf)
+            raise
+        self._write(index, buf, [])
+
+    @contextlib.contextmanager
+    def open(self, index: int, write: bool = False) -> Iterator[UnitTensors]:
+        lay = self.layouts[index]
+        buf = self._ctx.staging.acquire(lay.nbytes)
+        t: Optional[UnitTensors] = None
+        try:
+            self._read(index, buf).wait()
+            t = self._views(index, buf)
+            yield t
+        except BaseException:
+            if t is not None:
+                wait_quietly(t.holds)
+            self._ctx.staging.release(buf)
+            raise
+        if write:
+            self._write(index, buf, t.holds)
+        else:
+            for h in t.holds:
+                h.wait()
+            self._ctx.staging.release(buf)
+
+    # -- the step's pipeline ------------------------------------------------------------------
+
+    def prefetch(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int], limit: int = 2
+    ) -> None:
+        """Submit the reads of the first `limit` units of the coming `stream(indices, ...)`
+        now, where buffers are free without waiting: the engine calls it before the overflow
+        check and the gradient norm, which the reads then overlap. A write of one of these
+        units before the step drops its read (`_write`); `cancel_prefetch` drops them all."""
+        staging = self._ctx.staging
+        for i in list(indices)[:limit]:
+            if i in self._prefetched:
+                continue
+            buf = staging.try_acquire(self.layouts[i].nbytes + align_up(scratch_bytes(i)))
+            if buf is None:
+                return
+            try:
+                self._prefetched[i] = (buf, self._read(i, buf))
+            except BaseException:
+                staging.release(buf)
+                raise
+
+    def cancel_prefetch(self, index: Optional[int] = None) -> None:
+        """Drop reads submitted ahead (all, or unit `index`'s): the step was skipped, or the
+        unit is about to be rewritten."""
+        for i in list(self._prefetched) if index is None else [index]:
+            entry = self._prefetched.pop(i, None)
+            if entry is not None:
+                wait_quietly([entry[1]])
+                self._ctx.staging.release(entry[0])
+
+    def stream(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
+    ) -> Iterator[tuple[int, UnitTensors]]:
+        staging = self._ctx.staging
+        order = list(indices)
+        reads, self._prefetched = self._prefetched, {}
+        for i in [i for i in reads if i not in order]:  # not part of this step after all
+            wait_quietly([reads[i][1]])
+            staging.release(reads.pop(i)[0])
+
+        def submit(i: int, block: bool) -> None:
+            n = self.layouts[i].nbytes + align_up(scratch_bytes(i))
+            buf = staging.acquire(n) if block else staging.try_acquire(n)
+            if buf is None:
+                return  # no buffer free without waiting: read it next iteration
+            try:
+                reads[i] = (buf, self._read(i, buf))
+            except BaseException:
+                staging.release(buf)
+                raise
+
+        try:
+            for k, i in enumerate(order):
+                if i not in reads:
+                    submit(i, block=True)
+                if k + 1 < len(order) and order[k + 1] not in reads:
+                    submit(order[k + 1], block=False)  # overlaps this unit's update
+                buf, handle = reads.pop(i)
+                try:
+                    handle.wait()
+                except BaseException:
+                    staging.release(buf)
+                    raise
+                t = self._views(i, buf, scratch_bytes(i))
+                try:
+                    yield i, t
+                except BaseException:
+                    wait_quietly(t.holds)
+                    staging.release(buf)
+                    raise
+                self._write(i, buf, t.holds)  # overlaps the next unit's update
+        finally:
+            for buf, handle in reads.values():  # prefetched but not consumed (an error)
+                wait_quietly([handle])
+                staging.release(buf)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _views(self, index: int, buf: torch.Tensor, scratch_bytes: int = 0) -> UnitTensors:
+        lay = self.layouts[index]
+        md = self.moment_dtype
+        master = buf[: lay.master_numel * 4].view(torch.float32)
+        a0, s0 = lay.exp_avg_offset, lay.exp_avg_sq_offset
+        n = lay.moment_numel * lay.moment_itemsize
+        scratch = buf[lay.nbytes : lay.nbytes + scratch_bytes] if scratch_bytes else None
+        return UnitTensors(
+            master, buf[a0 : a0 + n].view(md), buf[s0 : s0 + n].view(md),
+            scratch=scratch, _buffers=(buf,),
+        )
+
+    def _wait_write(self, index: int) -> None:
+        h = self._last_write[index]
+        if h is not None:
+            h.wait()
+            self._last_write[index] = None
+
+    def _read(self, index: int, buf: torch.Tensor) -> Pending:
+        self._wait_write(index)  # [Note: slot ordering]
+        slot = self._swap.check_readable(index)
+        ctx = self._ctx
+        req = ctx.aio.pread(buf[: slot.nbytes], self._swap.path, slot.offset)
+        ctx.stats.bytes_read += slot.nbytes
+        return Pending([req], stats=ctx.stats)
+
+    def _write(self, index: int, buf: torch.Tensor, holds: Sequence[Any]) -> None:
+        """Write the state from `buf` (and let `holds` finish); the buffer goes back to the
+        pool when all are done. Tracked, not waited: see [Note: optimizer pipeline]."""
+        ctx = self._ctx
+        try:
+            self.cancel_prefetch(index)  # a read submitted ahead would hold the old bytes
+            self._wait_write(index)
+            slot = self._swap.slots[index]
+            req = ctx.aio.pwrite(buf[: slot.nbytes], self._swap.path, slot.offset)
+        except BaseException:
+            wait_quietly(holds)
+            ctx.staging.release(buf)
+            raise
+        ctx.stats.bytes_written += slot.nbytes
+        written = Pending(
+            [req], on_error=lambda: self._swap.mark_written(index, False), stats=ctx.stats
+        )
+        self._swap.mark_written(index)
+        self._last_write[index] = written
+        # The buffer goes back once the state write and every write reading from it are done.
+        ctx.staging.track(Pending([written, *holds], release=lambda: ctx.staging.release(buf)))

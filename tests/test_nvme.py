@@ -1,0 +1,403 @@
+"""The NVMe tier: parameter shards and optimizer states paged through swap files.
+
+Parity: every parameter tier {device, cpu, nvme} x optimizer tier {cpu, nvme}, at world
+sizes 1 and 2, trains to the same parameters as plain torch.optim.AdamW (the tolerances of
+tests/test_engine.py, for the reasons given there) and, stronger, bit-identically to the
+all-in-memory engine: the NVMe tiers move bytes, they never change the arithmetic. Then the
+invariants: results unchanged with every I/O block delayed (nothing reads a slot before its
+write completed), pinned staging within the budget for a model whose state is several times
+the budget, clear errors at initialize, no swap file left after close.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import gc
+import os
+import re
+
+import pytest
+import torch
+
+import offload
+import offload.nvme
+from offload.config import OffloadConfig
+from offload.optim_state import state_layout
+from tests.conftest import TinyGPT, gpt_batches, run_distributed
+from tests.fsutil import mounted_tmpfs
+from tests.test_engine import (
+    MODELS,
+    assert_fp32_close,
+    engine_train,
+    initial_state,
+    make_config,
+    reference_train,
+    trajectory_error,
+)
+
+TIERS = [(p, o) for p in ("device", "cpu", "nvme") for o in ("cpu", "nvme")]
+# (model, dtype): fp32 is compared with the reference at 1e-5; bf16 on the edge model
+# (frozen parameters, a parameter without gradient, a shared module) pins the parts of a
+# shard the optimizer does not write, which an NVMe store writes whole.
+CASES = [("gpt", "fp32"), ("edge", "bf16")]
+
+
+def tier_config(path, param_tier="nvme", optimizer_tier="nvme", dtype="fp32", budget=1 << 30, **kw):
+    uses = "nvme" in (param_tier, optimizer_tier)
+    return make_config(
+        dtype=dtype, gas=2, clip=0.05,
+        offload=OffloadConfig(
+            param_tier=param_tier, optimizer_tier=optimizer_tier,
+            nvme_path=str(path) if uses else None, pinned_budget_bytes=budget,
+        ),
+        **kw,
+    )
+
+
+def swap_dir_is_gone(path) -> bool:
+    return not os.path.exists(os.path.join(path, "offload-swap"))
+
+
+# -- parity ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {
+        case: engine_train(case[0], tier_config(None, "cpu", "cpu", case[1]))[0] for case in CASES
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("param_tier,optimizer_tier", TIERS)
+def test_every_tier_combination_matches_adamw_world_size_1(
+    param_tier, optimizer_tier, case, baselines, tmp_path
+):
+    model, dtype = case
+    sd, info = engine_train(model, tier_config(tmp_path, param_tier, optimizer_tier, dtype))
+    for k, v in baselines[case].items():
+        assert torch.equal(sd[k], v), k
+    if dtype == "fp32":
+        assert_fp32_close(sd, reference_train(model, gas=2, clip=0.05))
+    assert swap_dir_is_gone(tmp_path)
+    if "nvme" in (param_tier, optimizer_tier):
+        assert info["memory"]["nvme"] > 0
+
+
+def test_bf16_gpt_on_nvme_follows_the_reference(tmp_path):
+    sd, _ = engine_train("gpt", tier_config(tmp_path, dtype="bf16"))
+    ref = reference_train("gpt", "bf16", gas=2, clip=0.05)
+    assert trajectory_error(sd, ref, initial_state("gpt")) < 0.03  # see test_engine.py
+
+
+def test_fp16_overflow_skip_on_nvme_matches_memory(tmp_path):
+    base, info0 = engine_train("gpt", tier_config(None, "cpu", "cpu", "fp16"), overflow_at=(3,))
+    sd, info = engine_train("gpt", tier_config(tmp_path, dtype="fp16"), overflow_at=(3,))
+    assert info["skipped"] == info0["skipped"] == 1
+    for k in base:
+        assert torch.equal(sd[k], base[k]), k
+
+
+def test_meta_init_streams_units_to_nvme(tmp_path):
+    # offload.init builds on meta; initialize materialises block by block and writes each
+    # unit's state to NVMe as soon as its values are complete.
+    cfg = tier_config(tmp_path, dtype="bf16")
+    torch.manual_seed(0)
+    with offload.init(cfg):
+        model = TinyGPT()
+    engine = offload.initialize(model, cfg)
+    assert all(st.master is None for st in engine.states)
+    sd, plain = engine.full_state_dict(), initial_state("gpt")
+    for k in plain:
+        assert torch.equal(sd[k], plain[k]), k
+    engine.close()
+
+
+def _ws2_tiers(rank: int, world_size: int, path: str):
+    out = {}
+    for case in CASES:
+        out[(case, "cpu", "cpu")] = engine_train(case[0], tier_config(path, "cpu", "cpu", case[1]), rank, world_size)[0]
+        for p, o in TIERS:
+            if "nvme" in (p, o):
+                out[(case, p, o)] = engine_train(case[0], tier_config(path, p, o, case[1]), rank, world_size)[0]
+    return out
+
+
+def test_every_tier_combination_matches_adamw_world_size_2(tmp_path):
+    rank0, rank1 = run_distributed(_ws2_tiers, 2, str(tmp_path))
+    assert all(v == {} for v in rank1.values())  # full_state_dict lands on rank 0
+    for (case, p, o), sd in rank0.items():
+        base = rank0[(case, "cpu", "cpu")]
+        for k in base:
+            assert torch.equal(sd[k], base[k]), (case, p, o, k)
+        if case[1] == "fp32":
+            assert_fp32_close(sd, reference_train(case[0], gas=2, clip=0.05))
+    assert swap_dir_is_gone(tmp_path)
+
+
+# -- invariants ------------------------------------------------------------------------------
+
+
+_VIOLATIONS: list = []
+
+
+class _SlowAIO(offload.nvme.AIOHandle):
+    """Every block waits on its worker before it is issued, so writes stay in flight long
+    enough for any read (or write) of the same bytes submitted without waiting for them to
+    be caught: each submission is checked against the writes still in flight and an overlap
+    is recorded in _VIOLATIONS. (The delay alone would not show it: this engine issues a
+    worker's blocks in order, so an unordered read often still sees the new bytes.) A buffer
+    reused before its write finished shows as wrong results instead."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs, inject_delay_s=0.004)
+        self._writes: list = []
+
+    def pread(self, buf, path, offset=0):
+        self._check("pread", buf, path, offset)
+        return super().pread(buf, path, offset)
+
+    def pwrite(self, buf, path, offset=0):
+        self._check("pwrite", buf, path, offset)
+        req = super().pwrite(buf, path, offset)
+        self._writes.append((os.fspath(path), offset, buf.nbytes, req))
+        return req
+
+    def _check(self, op, buf, path, offset):
+        self._writes = [w for w in self._writes if not w[3].done()]
+        for p, o, n, _ in self._writes:
+            if p == os.fspath(path) and o < offset + buf.nbytes and offset < o + n:
+                _VIOLATIONS.append((op, os.path.basename(p), offset))
+
+
+@pytest.fixture
+def slow_io(monkeypatch):
+    _VIOLATIONS.clear()
+    monkeypatch.setattr(offload.nvme, "AIOHandle", _SlowAIO)
+    yield
+    assert not _VIOLATIONS, f"submitted while a write of the same bytes was in flight: {_VIOLATIONS[:5]}"
+
+
+def test_results_unchanged_with_io_delays(tmp_path, baselines, request):
+    # A budget of two units' working sets: buffers are reused while writes are in flight.
+    budget = 2 * _needed_bytes(tmp_path, MODELS["edge"]())
+    request.getfixturevalue("slow_io")
+    sd, _ = engine_train("edge", tier_config(tmp_path, dtype="bf16", budget=budget))
+    for k, v in baselines[("edge", "bf16")].items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path, slow_io):
+    from offload.nvme import NVMeContext
+    from offload.tiers import NVMeTier
+
+    ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
+    ctx.aio.close()
+    ctx.aio = _SlowAIO(4096, 4, 2)
+    try:
+        tier = NVMeTier(ctx, [("a", 8192, torch.bfloat16), ("b", 2048, torch.float32)])
+        assert tier.view("a") is None and "a" in tier and tier.bytes_allocated() == 16384 + 8192
+        with pytest.raises(RuntimeError, match="never written"):
+            tier.fetch("a", torch.empty(8192, dtype=torch.bfloat16))
+        first = torch.randn(8192).bfloat16()
+        second = torch.randn(8192).bfloat16()
+        tier.store("a", first)  # staged (an unaligned tensor); not waited for
+        h = tier.store("a", second)  # ordered after the first write
+        out = torch.empty(8192, dtype=torch.bfloat16)
+        tier.fetch("a", out).wait()  # waits for the write before reading
+        assert torch.equal(out, second) and h.done()
+        with pytest.raises(ValueError, match="must match"):
+            tier.store("b", torch.zeros(2048, dtype=torch.bfloat16))
+    finally:
+        ctx.close()
+    assert swap_dir_is_gone(tmp_path)
+
+
+def test_optimizer_state_read_waits_for_the_write_in_flight(tmp_path, slow_io):
+    from offload.nvme import NVMeContext
+    from offload.optim_state import NVMeOptimizerStates
+
+    ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
+    ctx.aio.close()
+    ctx.aio = _SlowAIO(4096, 4, 2)
+    try:
+        states = NVMeOptimizerStates(ctx, [(4096, 3000), (2048, 0)], torch.float32)
+        with pytest.raises(RuntimeError, match="never written"):
+            with states.open(0):
+                pass
+        for round_ in range(3):
+            master = torch.randn(4096)
+            states.initialize(0, master)  # write in flight
+            with states.open(0, write=True) as t:  # reads after it
+                assert torch.equal(t.master, master) and not t.exp_avg.any()
+                t.exp_avg.fill_(float(round_ + 1))
+            with states.open(0) as t:  # reads after the write-back
+                assert torch.equal(t.master, master)
+                assert torch.equal(t.exp_avg, torch.full((3000,), float(round_ + 1)))
+        ctx.staging.drain()
+        assert ctx.staging.pool.bytes_in_use == 0
+    finally:
+        ctx.close()
+    assert swap_dir_is_gone(tmp_path)
+
+
+def _needed_bytes(path, model) -> int:
+    with pytest.raises(ValueError, match=r"pinned_budget_bytes=4096 is too small for one unit") as e:
+        offload.initialize(model, tier_config(path, dtype="bf16", budget=4096))
+    return int(re.search(r"needs (\d+) bytes", str(e.value)).group(1))
+
+
+def test_pinned_use_stays_within_a_budget_several_times_smaller_than_the_state(tmp_path):
+    make = lambda: TinyGPT(d_model=64, n_layer=6)  # noqa: E731
+    torch.manual_seed(0)
+    budget = _needed_bytes(tmp_path, make())  # exactly one unit's working set
+    assert swap_dir_is_gone(tmp_path)
+    cfg = tier_config(tmp_path, dtype="bf16", budget=budget)
+    torch.manual_seed(0)
+    engine = offload.initialize(make(), cfg)
+    state_bytes = engine.optimizer_states.bytes_on_disk()
+    assert state_bytes > 4 * budget, (state_bytes, budget)
+    ref_cfg = tier_config(None, "cpu", "cpu", dtype="bf16")
+    torch.manual_seed(0)
+    ref = offload.initialize(make(), ref_cfg)
+    for x, y in gpt_batches(4):
+        for e in (engine, ref):
+            e.backward(e(x, y))
+            e.step()
+    pool = engine.nvme.staging.pool
+    assert 0 < pool.peak_bytes_in_use <= budget and pool.bytes_reserved <= budget
+    a, b = engine.full_state_dict(), ref.full_state_dict()
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+    engine.close()
+    assert swap_dir_is_gone(tmp_path)
+
+
+def test_unit_state_round_trip_on_the_nvme_optimizer_tier(tmp_path, slow_io):
+    # Slow I/O: the read right after load_unit_state's write-through must wait for it.
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path, "cpu", "nvme", dtype="bf16"))
+    torch.manual_seed(0)
+    ref = offload.initialize(TinyGPT(), tier_config(None, "cpu", "cpu", dtype="bf16"))
+    x, y = gpt_batches(1)[0]
+    for e in (engine, ref):
+        e.backward(e(x, y))
+        e.step()
+    opt, staging = engine.optimizer, engine.nvme.staging
+    assert all(st.master is None and st.exp_avg is None for st in engine.states)
+    for st in engine.states:
+        i = st.unit.index
+        staging.drain()
+        with opt.unit_state(i) as s, ref.optimizer.unit_state(i) as r:
+            assert staging.pool.bytes_in_use > 0  # read into a pooled buffer
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(s[name], r[name]), (i, name)
+            assert s["slot_steps"] == r["slot_steps"]
+        assert staging.pool.bytes_in_use == 0  # and released on exit
+    index = engine.states[-1].unit.index
+    with opt.unit_state(index) as s:
+        saved = {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in s.items()}
+    before = engine.full_state_dict()
+    opt.load_unit_state(index, dict(saved, master=saved["master"] + 1.0, exp_avg=saved["exp_avg"] * 2))
+    with opt.unit_state(index) as s:  # written through to the swap file
+        assert torch.equal(s["master"], saved["master"] + 1.0)
+        assert torch.equal(s["exp_avg"], saved["exp_avg"] * 2)
+        assert torch.equal(s["exp_avg_sq"], saved["exp_avg_sq"])
+    after = engine.full_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "parameters republished"
+    with pytest.raises(ValueError, match="saved shape"):
+        opt.load_unit_state(index, dict(saved, exp_avg=saved["exp_avg"][:-1]))
+    engine.close()
+    ref.close()
+
+
+def test_memory_bytes_counts_swap_files_and_the_pinned_pool(tmp_path):
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path, dtype="bf16"))
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    mem = engine.memory_bytes()
+    swap = os.path.join(tmp_path, "offload-swap")
+    on_disk = sum(os.path.getsize(os.path.join(swap, f)) for f in os.listdir(swap) if f.endswith(".swap"))
+    assert mem["nvme"] == on_disk > 0
+    assert mem["pinned"] == engine.nvme.staging.pool.bytes_reserved > 0
+    # host: only the fp32 gradient shards (master, moments and parameters are on disk)
+    assert mem["host"] == sum(st.grad.numel() * 4 for st in engine.states)
+    stats = engine.io_stats()
+    assert stats["bytes_read"] > 0 and stats["bytes_written"] > 0
+    engine.close()
+
+
+# -- errors at initialize ----------------------------------------------------------------------
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="does not exist; create it"):
+        offload.initialize(TinyGPT(), tier_config(missing))
+
+
+def test_read_only_nvme_path_is_a_clear_error():
+    with mounted_tmpfs("1m", read_only=True) as ro:
+        with pytest.raises(OSError, match="is not writable \\(EROFS") as e:
+            offload.initialize(TinyGPT(), tier_config(ro))
+        assert e.value.errno == errno.EROFS
+
+
+def test_disk_too_small_names_the_numbers():
+    with mounted_tmpfs("256k") as small:
+        with pytest.raises(OSError, match=r"not enough free space for the swap files.*needs .*bytes.*free") as e:
+            offload.initialize(TinyGPT(d_model=64), tier_config(small))
+        assert e.value.errno == errno.ENOSPC
+        assert not os.listdir(small), "nothing created"
+
+
+def test_budget_too_small_names_the_bytes_needed(tmp_path):
+    needed = _needed_bytes(tmp_path, TinyGPT())
+    assert needed % 4096 == 0 and needed > 4096
+    assert swap_dir_is_gone(tmp_path)
+
+
+# -- clean exit and stale files ------------------------------------------------------------------
+
+
+def test_swap_files_removed_by_close_with_and_finalizer(tmp_path):
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path))
+    assert not swap_dir_is_gone(tmp_path)
+    engine.close()
+    engine.close()  # idempotent
+    assert swap_dir_is_gone(tmp_path)
+    with offload.initialize(TinyGPT(), tier_config(tmp_path)) as engine:
+        x, y = gpt_batches(1)[0]
+        engine.backward(engine(x, y))
+        engine.step()
+    assert swap_dir_is_gone(tmp_path)
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path))
+    del engine
+    gc.collect()
+    assert swap_dir_is_gone(tmp_path)
+
+
+def test_stale_swap_file_of_a_crashed_run_is_not_read(tmp_path, baselines):
+    swap = tmp_path / "offload-swap"
+    swap.mkdir()
+    (swap / "rank0.optim.swap").write_bytes(b"\xff" * (1 << 20))  # no live lock holds it
+    (swap / "rank0.param.swap").write_bytes(b"\xff" * (1 << 20))
+    sd, _ = engine_train("gpt", tier_config(tmp_path))
+    for k, v in baselines[("gpt", "fp32")].items():
+        assert torch.equal(sd[k], v), k
+    assert swap_dir_is_gone(tmp_path)
+
+
+# -- layout -----------------------------------------------------------------------------------
+
+
+def test_state_layout_puts_each_tensor_on_a_page_and_moves_in_whole_pages():
+    lay = state_layout(2048, 1000, 4)
+    assert (lay.exp_avg_offset, lay.exp_avg_sq_offset, lay.nbytes) == (8192, 12288, 16384)
+    lay = state_layout(4096, 0, 2)
+    assert (lay.exp_avg_offset, lay.exp_avg_sq_offset, lay.nbytes) == (16384, 16384, 16384)
+    with pytest.raises(ValueError):
+        state_layout(-1, 0, 4)
