@@ -48,4 +48,5 @@ PYBIND11_MODULE(_C, m) {
   offload::register_common(m);
   offload::register_aio(m);
   offload::register_adam(m);
+  offload::register_checksum(m);
 }

@@ -850,6 +850,26 @@ class Engine:
                     self._write_master_slot(ui, si, value, master=t.master)
                 self._publish_shard(ui, t.master)
 
+    # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
+
+    def save_checkpoint(
+        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None
+    ) -> str:
+        """Write a checkpoint to `save_dir/<tag>` (default tag `global_step<N>`) and point
+        `save_dir/latest` at it once complete. Every rank calls it; each writes its own
+        shards. `client_state` (e.g. the data-loader position) comes back from
+        `load_checkpoint`. Returns the checkpoint's path."""
+        from offload.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+        """Resume from `load_dir/<tag>` (default: the one `latest` names), also from a run
+        with another world size. Every rank calls it. Returns (path, client_state)."""
+        from offload.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag)
+
     # -- accounting ---------------------------------------------------------------------------
 
     def memory_bytes(self) -> dict[str, int]:

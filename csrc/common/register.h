@@ -9,4 +9,5 @@ namespace offload {
 void register_common(pybind11::module_& m);
 void register_aio(pybind11::module_& m);
 void register_adam(pybind11::module_& m);
+void register_checksum(pybind11::module_& m);
 }  // namespace offload

@@ -1,0 +1,202 @@
+"""Consolidate a checkpoint into full-model safetensors, streaming unit by unit.
+
+    python -m offload.checkpoint consolidate CKPT_DIR OUT [--max-shard-size 5GB]
+
+writes `OUT/model.safetensors`, or, past the size limit, `OUT/model-00001-of-0000N.safetensors`
+... plus `OUT/model.safetensors.index.json` (Hugging Face's layout: {"metadata":
+{"total_size": bytes}, "weight_map": {key: file}}). Keys are exactly `model.state_dict()`'s,
+parameters in fp32 (the masters), buffers in their original dtype, so
+
+    model.load_state_dict(safetensors.torch.load_file("OUT/model.safetensors"))
+
+works on a plain `nn.Module`.
+
+How it streams: safetensors is an 8-byte header length, a JSON header giving every
+tensor's dtype, shape and byte range, then the bytes. Every shape and dtype is in the
+manifest, so all headers are written first and each file is preallocated; then each unit's
+full flat master is assembled from the rank files (checksums verified, as `load_checkpoint`
+does) and its parameters are written at their offsets. Memory: one unit's fp32 flat buffer
+(plus the reader's window of chunks), whatever the model's size.
+
+Tied parameters: safetensors cannot store two names over one storage (`save_file` refuses
+shared tensors; `save_model` keeps one name and drops the others). We write the value
+under every name `model.state_dict()` has, so `load_state_dict(strict=True)` needs no
+re-tying step; the header's metadata lists the tied groups (`"offload.tied"`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any, Optional, Union
+
+import torch
+
+from offload.checkpoint import files, manifest
+from offload.checkpoint.load import _assemble, _records_by_rank, read_rank_state
+from offload.checkpoint.shards import DEFAULT_WINDOW, ShardReader
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes from an int or a string like '5GB' (10**9, as Hugging Face), '500MiB' (2**20)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} is not a size; use bytes or e.g. '5GB', '500MB'")
+    base = 1024 if m.group(3) else 1000
+    power = " KMGT".index(m.group(2).upper() or " ")
+    value = int(float(m.group(1)) * base**power)
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def checkpoint_dir(path: str, tag: Optional[str] = None) -> str:
+    """A checkpoint directory from either itself or its save_dir (+ tag, or `latest`)."""
+    path = os.fspath(path)
+    if tag is None and os.path.isfile(os.path.join(path, files.MANIFEST)):
+        return path
+    return files.resolve_tag(path, tag)
+
+
+def consolidate(
+    ckpt: str,
+    out_dir: str,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    *,
+    tag: Optional[str] = None,
+    window: int = DEFAULT_WINDOW,
+) -> list[str]:
+    """Write the checkpoint's full weights as safetensors in `out_dir`; returns the files
+    written (the index last, when there is one). One process; no engine needed."""
+    from offload.io import AIOHandle
+
+    limit = parse_size(max_shard_size)
+    path = checkpoint_dir(ckpt, tag)
+    saved = manifest.read(path)
+    manifest.verify_files(path, saved)
+    small = read_rank_state(path, saved, 0)
+    units = {u["index"]: u for u in saved["model"]["units"]}
+
+    # Plan: (key, safetensors dtype, shape, bytes) in state-dict order, cut into files.
+    plan = []
+    tied: dict[tuple[int, int], list[str]] = {}
+    for entry in saved["model"]["state_dict"]:
+        if entry["kind"] == "param":
+            slot = units[entry["unit"]]["slots"][entry["slot"]]
+            plan.append((entry["key"], "F32", slot["shape"], slot["numel"] * 4))
+            tied.setdefault((entry["unit"], entry["slot"]), []).append(entry["key"])
+        elif entry["kind"] == "buffer":
+            value = small["buffers"][entry["key"]]
+            code = _ST_DTYPES.get(manifest.torch_dtype_name(value.dtype))
+            if code is None:
+                raise ValueError(f"buffer {entry['key']!r} has dtype {value.dtype}, which safetensors cannot store")
+            plan.append((entry["key"], code, list(value.shape), value.numel() * _SIZES[code]))
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for item in plan:
+        if shards[-1] and size + item[3] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[3]
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tied_groups = [keys for keys in tied.values() if len(keys) > 1]
+
+    os.makedirs(out_dir, exist_ok=True)
+    where: dict[str, tuple[int, int]] = {}  # key -> (fd index, absolute byte offset)
+    fds: list[int] = []
+    written = []
+    try:
+        for fi, (name, items) in enumerate(zip(names, shards)):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt", "offload.tied": json.dumps(tied_groups)}}
+            pos = 0
+            for key, code, shape, nbytes in items:
+                header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+                pos += nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            fpath = os.path.join(out_dir, name)
+            fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            written.append(fpath)
+            _pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            data_start = 8 + len(raw)
+            os.ftruncate(fd, data_start + pos)
+            for key, *_ in items:
+                where[key] = (fi, data_start + header[key]["data_offsets"][0])
+
+        # buffers straight from the small state
+        for entry in saved["model"]["state_dict"]:
+            if entry["kind"] == "buffer":
+                fi, off = where[entry["key"]]
+                _pwrite_tensor(fds[fi], small["buffers"][entry["key"]], off)
+
+        # parameters, one unit at a time
+        records = _records_by_rank(path, saved)
+        handle = AIOHandle()
+        pending: dict[int, torch.Tensor] = {}
+
+        def groups():
+            for index, unit in units.items():
+                numel = max((s["offset"] + s["numel"] for s in unit["slots"]), default=0)
+                full = torch.empty(numel, dtype=torch.float32)  # _assemble zeroes gaps
+                pending[index] = full
+                yield index, _assemble(records, unit, "master", 0, full, saved["chunk_bytes"], index)
+
+        def on_done(index: int) -> None:
+            full = pending.pop(index)
+            for si, s in enumerate(units[index]["slots"]):
+                for key in tied.get((index, si), ()):
+                    fi, off = where[key]
+                    _pwrite_tensor(fds[fi], full[s["offset"] : s["offset"] + s["numel"]], off)
+
+        try:
+            ShardReader(handle, saved["chunk_bytes"], window).run(groups(), on_done)
+        finally:
+            handle.close()
+        for fd in fds:
+            os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(item[3] for item in plan)},
+            "weight_map": {key: names[where[key][0]] for key, *_ in plan},
+        }
+        ipath = os.path.join(out_dir, INDEX_FILE)
+        with open(ipath, "w") as f:
+            json.dump(index, f, indent=2)
+        written.append(ipath)
+    return written
+
+
+def _pwrite_tensor(fd: int, t: torch.Tensor, offset: int) -> None:
+    t = t.detach().contiguous().cpu()
+    if t.numel():
+        _pwrite_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), offset)
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n

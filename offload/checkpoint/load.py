@@ -1,0 +1,219 @@
+"""`load_checkpoint`: verify, then stream each unit's state back, re-sharding as needed.
+
+Order: resolve the tag (`latest` by default), read the manifest, check every listed file's
+size and the model signature — all before any engine state changes. Then, unit by unit,
+this rank's shard under the *current* layout is assembled from the saved rank files:
+elements [rank * shard_numel, (rank + 1) * shard_numel) of the flat unit, taken from
+whichever saved ranks held them (one when the world size is unchanged; any number when it
+differs, since offsets are world-size independent and only the cut moves). Each chunk's
+CRC is checked as it lands; a unit is handed to `ShardedAdam.load_unit_state` as soon as
+its last chunk is in, so at most a unit or two of state is in RAM. Per-parameter step
+counts are mapped by name. Finally the small state: counters, loss scaler, scheduler,
+optimizer hyperparameters, buffers and RNG states.
+
+Re-sharding and RNG: a rank that existed in the saving run gets its own RNG states and
+`client_state` back; a rank beyond the saved world size gets rank 0's `client_state` and
+keeps its RNG states (there are none saved for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import zlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from offload.checkpoint import files, manifest
+from offload.checkpoint.shards import (
+    DEFAULT_WINDOW,
+    Staging,
+    CheckpointCorruptError,
+    ReadJob,
+    ShardReader,
+    chunk_jobs,
+)
+
+
+def load_checkpoint(
+    engine: Any, load_dir: str, tag: Optional[str] = None, *, window: int = DEFAULT_WINDOW
+) -> tuple[str, Any]:
+    """Load `load_dir/<tag>` (default: the tag `latest` names) into `engine`. Every rank
+    must call it. Returns (checkpoint path, this rank's client_state)."""
+    path = files.resolve_tag(os.fspath(load_dir), tag)
+    saved = manifest.read(path)
+    manifest.verify_files(path, saved)
+    manifest.check_compatible(saved, engine)
+    own = engine.rank if engine.rank < saved["world_size"] else 0
+    state = read_rank_state(path, saved, own)
+    if (state["lr_scheduler"] is None) != (engine.lr_scheduler is None):
+        have = "has" if state["lr_scheduler"] is not None else "has no"
+        mine = "has one" if engine.lr_scheduler is not None else "has none"
+        raise ValueError(
+            f"checkpoint {path!r} {have} learning-rate scheduler state but this engine {mine}; "
+            "build the engine with the same lr_scheduler / config.scheduler as the saving run"
+        )
+    engine._sync_device()
+    engine.optimizer.zero_grad()
+    load_units(engine, path, saved, state["slot_steps"], window=window)
+    _restore_small_state(engine, state, restore_rng=engine.rank < saved["world_size"])
+    return path, state["client_state"]
+
+
+def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The small state rank `rank` saved (verified against its size and CRC)."""
+    entry = saved["ranks"][rank]["state"]
+    file = os.path.join(path, entry["file"])
+    with open(file, "rb") as f:
+        data = f.read()
+    if len(data) != entry["size"] or (zlib.crc32(data) & 0xFFFFFFFF) != entry["crc32"]:
+        raise CheckpointCorruptError(
+            5, f"checkpoint file {file!r} is corrupt (size or checksum differs from the "
+            "manifest); do not load it, use another tag", file,
+        )
+    # Our own file, checksummed: it holds the caller's client_state, any picklable object.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def load_units(
+    engine: Any, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
+    *, window: int = DEFAULT_WINDOW,
+) -> None:
+    from offload.step import moments_dtype
+
+    staging = Staging.of(engine, engine.config.aio, 0.0, saved["chunk_bytes"], window)
+    mdtype = moments_dtype(engine.config.optimizer.moments_dtype)
+    old_units = {u["name"]: u for u in saved["model"]["units"]}
+    records = _records_by_rank(path, saved)
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    rank = engine.rank
+
+    # Two sets of page-aligned destination buffers, sized for the largest unit and used in
+    # turn (the reader keeps at most two units open): whole chunks are read straight into
+    # them (ReadJob.direct), and only two units' worth of pages is ever faulted in.
+    most = max(u.layout.shard_numel for u in engine.units)
+    most_opt = max(u.layout.shard_optimized_numel(rank) for u in engine.units)
+    sets = [
+        (_aligned(most, torch.float32), _aligned(most_opt, mdtype), _aligned(most_opt, mdtype))
+        for _ in range(2)
+    ]
+
+    def groups() -> Iterator[tuple[int, list[ReadJob]]]:
+        for i, unit in enumerate(engine.units):
+            layout = unit.layout
+            n_opt = layout.shard_optimized_numel(rank)
+            master, exp_avg, exp_avg_sq = sets[i % 2]
+            dest = {
+                "master": master[: layout.shard_numel],
+                "exp_avg": exp_avg[:n_opt],
+                "exp_avg_sq": exp_avg_sq[:n_opt],
+            }
+            pending[unit.index] = dest
+            old = old_units[unit.name]
+            lo = rank * layout.shard_numel
+            jobs: list[ReadJob] = []
+            for name, t in dest.items():
+                jobs += _assemble(records, old, name, lo, t, saved["chunk_bytes"], unit.index)
+            yield unit.index, jobs
+
+    def on_done(index: int) -> None:
+        dest = pending.pop(index)
+        unit = next(u for u in engine.units if u.index == index)
+        dest["slot_steps"] = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
+        engine.optimizer.load_unit_state(index, dest)
+
+    with _one_torch_thread():
+        reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
+        reader.run(groups(), on_done, max_open_groups=2)
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    from offload.io import aligned_empty
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return aligned_empty(numel * itemsize, pin=False).view(dtype)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """`load_unit_state` copies each unit with `Tensor.copy_`, which splits a large copy
+    over torch's intra-op threads; beside the I/O and checksum threads that split waits on
+    its slowest thread (see `shards.copy_bytes`). One thread copies at memory speed."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _records_by_rank(path: str, saved: dict[str, Any]) -> list[tuple[str, dict]]:
+    out = []
+    for entry in saved["ranks"]:
+        shards = entry["shards"]
+        by_key = {(r["unit"], r["name"]): r for r in shards["tensors"]}
+        out.append((os.path.join(path, shards["file"]), by_key))
+    return out
+
+
+def _assemble(
+    records: list[tuple[str, dict]], old_unit: dict[str, Any], name: str, lo: int,
+    dest: torch.Tensor, chunk_bytes: int, tag: Any,
+) -> list[ReadJob]:
+    """Jobs filling `dest` with flat elements [lo, lo + dest.numel()) of the saved unit's
+    tensor `name`, from every saved rank whose part overlaps."""
+    hi = lo + dest.numel()
+    old_shard = old_unit["shard_numel"]
+    jobs: list[ReadJob] = []
+    spans = []
+    for r, (file, by_key) in enumerate(records):
+        rec = by_key[(old_unit["index"], name)]
+        start = r * old_shard
+        a, b = max(lo, start), min(hi, start + rec["numel"])
+        if a < b:
+            jobs += chunk_jobs(rec, file, chunk_bytes, a - start, b - start, dest[a - lo : b - lo], tag)
+            spans.append((a - lo, b - lo))
+    # What no saved rank holds (padding of a larger layout, moments past the optimized
+    # prefix) is zero, as in a fresh engine; `dest` starts uninitialised.
+    pos = 0
+    for a, b in sorted(spans) + [(dest.numel(), dest.numel())]:
+        if a > pos:
+            dest[pos:a].zero_()
+        pos = max(pos, b)
+    return jobs
+
+
+@torch.no_grad()
+def _restore_small_state(engine: Any, state: dict[str, Any], restore_rng: bool) -> None:
+    engine.global_steps = int(state["global_steps"])
+    engine.micro_steps = int(state["micro_steps"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    engine.last_grad_norm = state["last_grad_norm"]
+    engine.scaler.load_state_dict(state["loss_scaler"])
+    for mine, theirs in zip(engine.optimizer.param_groups, state["param_groups"]):
+        mine.update(theirs)
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    buffers = state["buffers"]
+    for key, (kind, what) in engine._sd_index:
+        if kind == "buffer" and key in buffers:
+            what.copy_(buffers[key].to(device=what.device, dtype=what.dtype))
+    if restore_rng:
+        set_rng_state(state["rng"])
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "numpy" in rng:
+        try:
+            import numpy
+
+            numpy.random.set_state(rng["numpy"])
+        except ImportError:
+            pass

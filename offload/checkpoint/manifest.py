@@ -1,0 +1,189 @@
+"""The manifest: what a checkpoint holds, and whether it fits the model loading it.
+
+`manifest.json` (written by rank 0, last) records the format version, the model signature
+(every unit's layout: parameter names, shapes, optimizer groups, offsets, padding), the
+world size it was saved with, dtypes, the config, the keys of `model.state_dict()` and
+where each one's value lives, and for every rank its files with sizes and per-chunk
+CRC-32s (`offload.checkpoint.shards`). Loading checks the signature before reading a
+byte of state, and checks every file's size before trusting it.
+
+Layout offsets do not depend on the world size (only the tail padding does, see
+`offload.shard.layout_unit`), which is what lets a checkpoint saved with N ranks be
+loaded with M: the flat unit is the same, only its cut into shards differs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from offload.checkpoint.files import MANIFEST
+from offload.checkpoint.shards import CheckpointCorruptError
+
+FORMAT = "offload-checkpoint"
+VERSION = 1
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_signature(engine: Any) -> dict[str, Any]:
+    """The engine's units and state-dict keys, as plain JSON values."""
+    units = []
+    for unit in engine.units:
+        layout = unit.layout
+        units.append({
+            "index": unit.index,
+            "name": unit.name,
+            "padded_numel": layout.padded_numel,
+            "shard_numel": layout.shard_numel,
+            "optimized_numel": layout.optimized_numel,
+            "slots": [
+                {"name": s.name, "shape": list(s.shape), "group": s.group,
+                 "offset": s.offset, "numel": s.numel}
+                for s in layout.slots
+            ],
+        })
+    keys = []
+    for key, (kind, what) in engine._sd_index:
+        if kind == "param":
+            keys.append({"key": key, "kind": "param", "unit": what[0], "slot": what[1]})
+        elif kind == "buffer":
+            dtype = engine._buffer_dtypes.get(id(what), what.dtype)
+            keys.append({"key": key, "kind": "buffer", "dtype": torch_dtype_name(dtype),
+                         "shape": list(what.shape)})
+        else:
+            keys.append({"key": key, "kind": "other"})
+    return {"units": units, "state_dict": keys}
+
+
+def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg = engine.config
+    from offload.step import moments_dtype
+
+    master = torch.float32  # always: see docs/engine.md, Precision
+    moments = moments_dtype(cfg.optimizer.moments_dtype)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "created_unix_s": time.time(),
+        "torch": torch.__version__,
+        "world_size": engine.world_size,
+        "chunk_bytes": chunk_bytes,
+        "dtypes": {
+            "master": torch_dtype_name(master),
+            "moments": torch_dtype_name(moments),
+            "compute": torch_dtype_name(engine.dtype),
+        },
+        "param_groups": len(engine.optimizer.param_groups),
+        "global_steps": engine.global_steps,
+        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg),
+        "model": model_signature(engine),
+        "ranks": ranks,
+    }
+
+
+def dumps(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1, default=str).encode()
+
+
+def read(ckpt_dir: str) -> dict[str, Any]:
+    """The manifest of checkpoint directory `ckpt_dir`; a missing, unreadable or foreign
+    one is an error naming the file."""
+    path = os.path.join(ckpt_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(
+            errno.ENOENT, f"{path!r} is missing: {ckpt_dir!r} is not a complete checkpoint "
+            "(a save killed part way leaves no manifest); load another tag", path,
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(
+            errno.EIO, f"{path!r} is not valid JSON ({exc}): the checkpoint is corrupt; "
+            "load another tag", path,
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointCorruptError(
+            errno.EIO, f"{path!r} is not an offload checkpoint manifest", path
+        )
+    if data.get("version") != VERSION:
+        raise ValueError(
+            f"{path!r} has format version {data.get('version')}; this offload reads version "
+            f"{VERSION}: load it with the offload release that wrote it"
+        )
+    return data
+
+
+def verify_files(ckpt_dir: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists exists with its recorded size."""
+    for entry in manifest["ranks"]:
+        for what in ("shards", "state"):
+            f = entry[what]
+            path = os.path.join(ckpt_dir, f["file"])
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"checkpoint {ckpt_dir!r} is missing rank {entry['rank']}'s "
+                    f"{what} file {f['file']!r} (saved with world size "
+                    f"{manifest['world_size']}); the checkpoint is incomplete, copy the whole "
+                    "directory or load another tag", path,
+                ) from None
+            if size != f["size"]:
+                raise CheckpointCorruptError(
+                    errno.EIO, f"checkpoint file {path!r} is {size} bytes, the manifest says "
+                    f"{f['size']}: it is truncated or was overwritten; load another tag", path,
+                )
+
+
+def check_compatible(saved: dict[str, Any], engine: Any) -> None:
+    """Raise ValueError naming the first difference between the saved model and `engine`'s."""
+    mine = model_signature(engine)
+    old = {s["name"]: (u["name"], s) for u in saved["model"]["units"] for s in u["slots"]}
+    new = {s["name"]: (u["name"], s) for u in mine["units"] for s in u["slots"]}
+    for name, (unit, s) in new.items():
+        if name not in old:
+            raise ValueError(
+                f"checkpoint is of a different model: parameter {name!r} (shape "
+                f"{tuple(s['shape'])}) is not in it"
+            )
+        if list(old[name][1]["shape"]) != list(s["shape"]):
+            raise ValueError(
+                f"checkpoint is of a different model: parameter {name!r} has shape "
+                f"{tuple(old[name][1]['shape'])} in the checkpoint and {tuple(s['shape'])} in "
+                "this model"
+            )
+    for name, (_, s) in old.items():
+        if name not in new:
+            raise ValueError(
+                f"checkpoint is of a different model: it has parameter {name!r} (shape "
+                f"{tuple(s['shape'])}), which this model lacks"
+            )
+    if [u["name"] for u in saved["model"]["units"]] != [u["name"] for u in mine["units"]]:
+        raise ValueError(
+            f"checkpoint units {[u['name'] for u in saved['model']['units']]} differ from this "
+            f"engine's {[u['name'] for u in mine['units']]}: use the same unit_modules setting"
+        )
+    for name, (unit, s) in new.items():
+        ounit, o = old[name]
+        if (ounit, o["offset"], o["group"]) != (unit, s["offset"], s["group"]):
+            raise ValueError(
+                f"parameter {name!r} sits in unit {ounit!r} at offset {o['offset']} in optimizer "
+                f"group {o['group']} in the checkpoint, but in unit {unit!r} at offset "
+                f"{s['offset']} in group {s['group']} here: build the optimizer param groups "
+                "the way the saving run did"
+            )
+    if saved["param_groups"] != len(engine.optimizer.param_groups):
+        raise ValueError(
+            f"checkpoint has {saved['param_groups']} optimizer param groups, this engine "
+            f"{len(engine.optimizer.param_groups)}"
+        )

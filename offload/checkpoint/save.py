@@ -1,0 +1,251 @@
+"""`save_checkpoint`: every rank writes its shards in parallel; rank 0 publishes.
+
+Per rank (all at once, no collective in the data path):
+- `rankNNNNN.shards`: for each unit in order, the fp32 master, exp_avg and exp_avg_sq of the
+  rank's shard, read through `ShardedAdam.unit_state` (the contract the NVMe tier keeps, so
+  state on NVMe streams through the same bounded buffers) and written by `ShardWriter`
+  (O_DIRECT, checksummed, a few chunks in flight): never the whole state in RAM.
+- `rankNNNNN.state`: small state as `torch.save` bytes: step counters, loss scaler,
+  scheduler, optimizer hyperparameters, per-parameter step counts, RNG states (torch CPU,
+  CUDA, python, numpy), model buffers, the user's `client_state`.
+Then rank 0 gathers each rank's file records into `manifest.json` and publishes the
+directory as described in [Note: crash safety] (offload/checkpoint/files.py).
+
+A failure on any rank (disk full, permission) reaches every rank: all ranks exchange
+their outcome before anything is published, each raises, and rank 0 removes the
+temporary directory. The previous checkpoint and `latest` are never touched by a save
+that does not complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import random
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from offload.checkpoint import files, manifest
+from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, Staging
+
+_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str,
+    tag: Optional[str] = None,
+    client_state: Optional[dict[str, Any]] = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    window: int = DEFAULT_WINDOW,
+) -> str:
+    """Write a checkpoint of `engine` to `save_dir/<tag>` and point `save_dir/latest` at it.
+    Every rank must call it. Returns the checkpoint's path. See the module docstring."""
+    save_dir = os.fspath(save_dir)
+    tag = files.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    if any(st.grad_valid for st in engine.states):
+        raise RuntimeError(
+            "save_checkpoint called between micro-batches of an accumulation step: the "
+            "accumulated gradients are not part of a checkpoint; save after engine.step() "
+            "at an accumulation boundary"
+        )
+    engine._sync_device()
+    rank = engine.rank
+
+    # 1. Rank 0 makes the temporary directory (and clears what killed saves left).
+    prep: Any = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            files.remove_stale(save_dir)
+            prep = ("ok", files.new_temp_dir(save_dir, tag))
+        except OSError as exc:
+            prep = ("error", _describe(exc, f"cannot create a checkpoint in {save_dir!r}"))
+    prep = _broadcast(engine, prep)
+    if prep[0] != "ok":
+        raise _as_oserror(prep[1])
+    tmp = prep[1]
+
+    # 2. Every rank writes its files.
+    outcome: Any
+    own_error: Optional[BaseException] = None
+    try:
+        outcome = ("ok", _write_rank(engine, tmp, client_state, chunk_bytes, window))
+    except BaseException as exc:
+        own_error = exc
+        outcome = ("error", _describe(exc, f"rank {rank} failed writing checkpoint {tag!r}"))
+    outcomes = _gather(engine, outcome)
+    failed = [o[1] for o in outcomes if o[0] != "ok"]
+
+    # 3. Rank 0 writes the manifest and publishes; everyone learns the outcome.
+    final = os.path.join(save_dir, tag)
+    status: Any = None
+    if rank == 0:
+        if failed:
+            status = ("error", failed[0])
+        else:
+            try:
+                m = manifest.build(engine, tag, chunk_bytes, [o[1] for o in outcomes])
+                files.write_file_durably(os.path.join(tmp, files.MANIFEST), manifest.dumps(m))
+                files.fsync_path(tmp)
+                files.test_pause("rename")
+                files.publish_dir(tmp, final)
+                files.test_pause("latest")
+                files.replace_file_durably(os.path.join(save_dir, files.LATEST), tag.encode() + b"\n")
+                status = ("ok", final)
+            except OSError as exc:
+                status = ("error", _describe(exc, f"rank 0 failed publishing checkpoint {tag!r}"))
+        if status[0] != "ok":
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    status = _broadcast(engine, status)
+    if status[0] != "ok":
+        if own_error is not None and isinstance(own_error, OSError):
+            raise _as_oserror(status[1]) from own_error
+        if own_error is not None:
+            raise own_error
+        raise _as_oserror(status[1])
+    return status[1]
+
+
+def _write_rank(
+    engine: Any, tmp: str, client_state: Any, chunk_bytes: int, window: int
+) -> dict[str, Any]:
+    rank = engine.rank
+    shards_path = os.path.join(tmp, files.shard_file(rank))
+    staging = Staging.of(engine, engine.config.aio, files.io_delay_s(), chunk_bytes, window)
+    writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
+    slot_steps: dict[int, list[int]] = {}
+    try:
+        writer.preallocate(_shards_bytes(engine))
+        for unit in engine.units:
+            with engine.optimizer.unit_state(unit.index) as state:
+                for name in _STATE_KEYS:
+                    writer.write(unit.index, name, state[name])
+                slot_steps[unit.index] = [int(s) for s in state["slot_steps"]]
+            if unit.index == engine.units[0].index:
+                files.test_pause("shards")
+        size = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    state_bytes = _state_bytes(engine, client_state, slot_steps)
+    state_path = os.path.join(tmp, files.state_file(rank))
+    files.write_file_durably(state_path, state_bytes)
+    return {
+        "rank": rank,
+        "shards": {"file": files.shard_file(rank), "size": size, "tensors": writer.records},
+        "state": {
+            "file": files.state_file(rank), "size": len(state_bytes),
+            "crc32": zlib.crc32(state_bytes) & 0xFFFFFFFF,
+        },
+    }
+
+
+def _shards_bytes(engine: Any) -> int:
+    """The size of this rank's shard file: per unit, the master and the two moments, each
+    rounded up to 4 KiB (ShardWriter's layout)."""
+    from offload.io import align_up
+    from offload.step import moments_dtype
+
+    m_size = torch.empty((), dtype=moments_dtype(engine.config.optimizer.moments_dtype)).element_size()
+    total = 0
+    for unit in engine.units:
+        layout = unit.layout
+        total += align_up(layout.shard_numel * 4)
+        total += 2 * align_up(layout.shard_optimized_numel(engine.rank) * m_size)
+    return total
+
+
+def _state_bytes(engine: Any, client_state: Any, slot_steps: dict[int, list[int]]) -> bytes:
+    opt = engine.optimizer
+    names = {u.index: [s.name for s in u.layout.slots] for u in engine.units}
+    buffers, extra = {}, {}
+    for key, (kind, what) in engine._sd_index:
+        if kind == "buffer":
+            dtype = engine._buffer_dtypes.get(id(what), what.dtype)
+            buffers[key] = what.detach().to("cpu", dtype=dtype, copy=True)
+        elif kind == "other":
+            extra[key] = what
+    state = {
+        "rank": engine.rank,
+        "world_size": engine.world_size,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "last_grad_norm": engine.last_grad_norm,
+        "loss_scaler": engine.scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        # by parameter name, so a load with another layout or world size maps them
+        "slot_steps": {
+            name: step
+            for index, steps in slot_steps.items()
+            for name, step in zip(names[index], steps)
+        },
+        "rng": rng_state(),
+        "buffers": buffers,
+        "extra_state": extra,
+        "client_state": client_state,
+    }
+    out = io.BytesIO()
+    torch.save(state, out)
+    return out.getvalue()
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+# -- collectives (no-ops at world size 1) -------------------------------------------------------
+
+
+def _broadcast(engine: Any, obj: Any) -> Any:
+    if engine.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=engine.pg.group)
+    return box[0]
+
+
+def _gather(engine: Any, obj: Any) -> list[Any]:
+    if engine.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(out, obj, group=engine.pg.group)
+    return out
+
+
+def barrier(engine: Any) -> None:
+    if engine.world_size > 1:
+        dist.barrier(group=engine.pg.group)
+
+
+def _describe(exc: BaseException, what: str) -> tuple[int, str, Optional[str]]:
+    err = getattr(exc, "errno", None) or 0
+    return (err, f"{what}: {type(exc).__name__}: {exc}", getattr(exc, "filename", None))
+
+
+def _as_oserror(desc: tuple[int, str, Optional[str]]) -> OSError:
+    err, msg, filename = desc
+    if err == errno.ENOSPC:
+        msg += "; free space on that filesystem or save elsewhere"
+    elif err in (errno.EROFS, errno.EACCES, errno.EPERM):
+        msg += "; pass a save_dir on a writable filesystem you own"
+    msg += " (the previous checkpoint and 'latest' are untouched)"
+    return OSError(err, msg, filename) if err else OSError(msg)

@@ -1,0 +1,524 @@
+"""Checkpoints: exact resume, re-sharding, crash safety, corruption, consolidation, errors.
+
+Exactness: resuming must reproduce the uninterrupted run bit for bit (torch.equal), not
+within a tolerance. Everything that decides the next steps is restored: masters, moments,
+per-parameter step counts, scheduler, loss scaler, counters and RNG states (the training
+loop below draws its batches from torch's global RNG and jitters the loss with python's and
+numpy's, so an RNG not restored changes the data and the test fails). CPU kernels are
+deterministic, so the two runs execute the same floating-point operations in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import offload
+from offload.checkpoint import CheckpointCorruptError, consolidate
+from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig
+from tests.conftest import TinyGPT, run_distributed
+
+N = 3  # steps before and after the save
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_config(dtype: str = "fp32", tier: str = "cpu", nvme_path: str | None = None) -> Config:
+    return Config(
+        compute_device="cpu",
+        optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.01),
+        # fp16: a window of 2 makes the dynamic scale move during the run (state to restore)
+        precision=PrecisionConfig(dtype=dtype, initial_scale_power=8, loss_scale_window=2, hysteresis=1),
+        offload=OffloadConfig(optimizer_tier=tier, nvme_path=nvme_path),
+        gradient_clipping=0.5,
+    )
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build(dtype="fp32", tier="cpu", nvme_path=None, seed=0, **model_kw):
+    torch.manual_seed(seed)
+    model = TinyGPT(**model_kw)
+    return offload.initialize(model, make_config(dtype, tier, nvme_path), lr_scheduler=schedule)
+
+
+def train(engine, steps: int, rank: int = 0, world_size: int = 1) -> None:
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (8, 17))  # torch's global RNG: resume must restore it
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+        b = 8 // world_size
+        jitter = 1.0 + 0.01 * random.random() + 0.01 * float(np.random.rand())
+        loss = engine(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) * jitter
+        engine.backward(loss)
+        engine.step()
+
+
+def summary(engine) -> dict:
+    return {
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scale": engine.loss_scale,
+        "lr": engine.get_lr(),
+    }
+
+
+def unit_states(engine) -> dict[str, dict]:
+    out = {}
+    for unit in engine.units:
+        with engine.optimizer.unit_state(unit.index) as s:
+            out[unit.name] = {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in s.items()}
+    return out
+
+
+def assert_same_sd(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# -- tiers: the NVMe tier joins when it exists -------------------------------------------------
+
+_NVME: list = []
+
+
+def nvme_available() -> bool:
+    if not _NVME:
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="offload-nvme-probe-")
+        try:
+            build("fp32", "nvme", d).close()
+            _NVME.append(True)
+        except (NotImplementedError, ValueError, TypeError):
+            _NVME.append(False)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return _NVME[0]
+
+
+@pytest.fixture(params=["cpu", "nvme"])
+def tier(request, tmp_path):
+    if request.param == "nvme" and not nvme_available():
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    return request.param, (str(tmp_path / "swap") if request.param == "nvme" else None)
+
+
+# -- exact resume, world size 1 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_resume_is_exact_world_size_1(tmp_path, dtype, tier):
+    name, nvme = tier
+    if nvme:
+        os.makedirs(nvme, exist_ok=True)
+    seed_all(1)
+    straight = build(dtype, name, nvme)
+    train(straight, 2 * N)
+    want, want_info = straight.full_state_dict(), summary(straight)
+    straight.close()
+
+    seed_all(1)
+    first = build(dtype, name, nvme)
+    train(first, N)
+    path = first.save_checkpoint(tmp_path / "ckpt", client_state={"batches_seen": N})
+    assert os.path.basename(path) == f"global_step{first.global_steps}"
+    first.close()
+
+    seed_all(12345)  # a different RNG state and different weights: load must restore all
+    second = build(dtype, name, nvme, seed=7)
+    got_path, client = second.load_checkpoint(tmp_path / "ckpt")
+    assert got_path == path and client == {"batches_seen": N}
+    train(second, N)
+    assert_same_sd(second.full_state_dict(), want)
+    assert summary(second) == want_info
+    if dtype == "fp16":
+        assert want_info["loss_scale"] != 2.0**8  # the scaler state did matter
+
+
+# -- world size 2, and re-sharding 2 -> 1 -> 2 ---------------------------------------------------
+
+
+def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=("fp32", "bf16")) -> dict:
+    out = {}
+    for dtype in dtypes:
+        d = os.path.join(ckdir, dtype)
+        seed_all(1)
+        engine = build(dtype, seed=0 if phase != "second" else 7)
+        if phase == "straight":
+            train(engine, 2 * N, rank, world_size)
+        elif phase == "first":
+            train(engine, N, rank, world_size)
+            engine.save_checkpoint(d, client_state={"rank": rank})
+            out[dtype + "/states"] = unit_states(engine)
+        elif phase == "second":
+            seed_all(99)
+            _, client = engine.load_checkpoint(d)
+            assert client == {"rank": rank}
+            train(engine, N, rank, world_size)
+        elif phase == "load":
+            engine.load_checkpoint(d)
+            out[dtype + "/states"] = unit_states(engine)
+            out["shard_numel"] = {u.name: u.layout.shard_numel for u in engine.units}
+        out[dtype] = engine.full_state_dict()
+        out[dtype + "/summary"] = summary(engine)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ws2_checkpoint(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ws2"))
+    first = run_distributed(_ws2_phase, 2, "first", d)
+    return d, first
+
+
+def test_resume_is_exact_world_size_2(ws2_checkpoint):
+    d, _ = ws2_checkpoint
+    straight = run_distributed(_ws2_phase, 2, "straight", d)[0]
+    resumed = run_distributed(_ws2_phase, 2, "second", d)[0]
+    for dtype in ("fp32", "bf16"):
+        assert_same_sd(resumed[dtype], straight[dtype])
+        assert resumed[dtype + "/summary"] == straight[dtype + "/summary"]
+
+
+def _assert_prefix_equal(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    """Equal over the common length; beyond it (padding of one layout or the other) zero."""
+    m = min(got.numel(), want.numel())
+    assert torch.equal(got[:m], want[:m]), what
+    assert not got[m:].any() and not want[m:].any(), what
+
+
+def test_resume_across_world_sizes_2_to_1_to_2(ws2_checkpoint, tmp_path):
+    d, first = ws2_checkpoint
+    # 2 -> 1: each unit's state is the two saved shards end to end (moments: the optimized
+    # prefix, which the two ranks' moment shards tile).
+    per_rank = [first[0]["fp32/states"], first[1]["fp32/states"]]
+    seed_all(5)
+    engine = build("fp32", seed=3)
+    _, client = engine.load_checkpoint(os.path.join(d, "fp32"))
+    assert client == {"rank": 0}
+    for name, s in unit_states(engine).items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            _assert_prefix_equal(s[k], torch.cat([r[name][k] for r in per_rank]), (name, k))
+        assert s["slot_steps"] == per_rank[0][name]["slot_steps"] == per_rank[1][name]["slot_steps"]
+    assert_same_sd(engine.full_state_dict(), first[0]["fp32"])
+    assert summary(engine) == first[0]["fp32/summary"]
+    # train at world size 1 and save; 1 -> 2: each rank gets its slice of the flat unit.
+    train(engine, N)
+    engine.save_checkpoint(tmp_path / "fp32", tag="from_one")
+    flat = unit_states(engine)
+    full = engine.full_state_dict()
+    engine.close()
+    results = run_distributed(_ws2_phase, 2, "load", str(tmp_path), ("fp32",))
+    for rank in (0, 1):
+        for name, s in results[rank]["fp32/states"].items():
+            lo = rank * results[rank]["shard_numel"][name]
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                _assert_prefix_equal(s[k], flat[name][k][lo : lo + s[k].numel()], (rank, name, k))
+            assert s["slot_steps"] == flat[name]["slot_steps"]
+    assert_same_sd(results[0]["fp32"], full)
+
+
+# -- crash safety: kill -9 a saving process -----------------------------------------------------
+
+_SAVER = r"""
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from tests.test_checkpoint import build, train, seed_all
+ckpt, out, stage, delay = sys.argv[1:5]
+seed_all(1)
+engine = build("fp32", d_model=64, n_layer=2)
+train(engine, 2)
+engine.save_checkpoint(ckpt, tag="a", client_state={{"step": 2}})
+torch.save(engine.full_state_dict(), os.path.join(out, "a.pt"))
+train(engine, 2)
+# armed for save "b" only (read when the save reaches each point)
+os.environ["OFFLOAD_CHECKPOINT_TEST_PAUSE_AT"] = stage
+os.environ["OFFLOAD_CHECKPOINT_TEST_PAUSE_FILE"] = os.path.join(out, "paused")
+os.environ["OFFLOAD_CHECKPOINT_TEST_IO_DELAY_S"] = delay
+open(os.path.join(out, "b_started"), "w").close()
+engine.save_checkpoint(ckpt, tag="b")
+open(os.path.join(out, "b_saved"), "w").close()
+"""
+
+
+def _start_saver(tmp_path, stage="", delay_s=0.0):
+    script = tmp_path / "saver.py"
+    script.write_text(_SAVER.format(root=ROOT))
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ckpt), str(out), stage, str(delay_s)], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    return proc, ckpt, out
+
+
+def _wait_for(path, proc, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"saver exited early: {proc.stdout.read().decode()[-3000:]}")
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def _check_previous_loads(ckpt, out, expect_b_dir: bool):
+    assert open(ckpt / "latest").read().strip() == "a"
+    assert os.path.isdir(ckpt / "b") == expect_b_dir
+    engine = build("fp32", d_model=64, n_layer=2, seed=9)
+    path, client = engine.load_checkpoint(ckpt)
+    assert os.path.basename(path) == "a" and client == {"step": 2}
+    assert_same_sd(engine.full_state_dict(), torch.load(out / "a.pt"))
+    # the next save removes what the killed one left behind
+    engine.save_checkpoint(ckpt, tag="c")
+    assert not [n for n in os.listdir(ckpt) if n.startswith(".")]
+    assert open(ckpt / "latest").read().strip() == "c"
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", ["shards", "rename", "latest"])
+def test_kill_9_at_each_stage_of_a_save_keeps_the_previous_checkpoint(tmp_path, stage):
+    # 'shards': first unit written, the rest not; 'rename': every file and the manifest
+    # written and fsynced, the directory not yet renamed; 'latest': renamed, `latest` not
+    # yet moved. In every case `latest` still names "a" and "a" loads exactly.
+    proc, ckpt, out = _start_saver(tmp_path, stage=stage)
+    try:
+        _wait_for(out / "paused", proc)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not os.path.exists(out / "b_saved")
+    if stage != "latest":
+        assert [n for n in os.listdir(ckpt) if n.startswith(".tmp-b-")]
+    _check_previous_loads(ckpt, out, expect_b_dir=stage == "latest")
+    if stage == "latest":  # "b" was complete before the kill: it loads by its tag
+        engine = build("fp32", d_model=64, n_layer=2, seed=9)
+        path, _ = engine.load_checkpoint(ckpt, tag="b")
+        assert engine.global_steps == 4
+        engine.close()
+
+
+def test_kill_9_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    # Every I/O block waits 0.5 s in the I/O engine: save "b" takes seconds, and the kill
+    # lands 0.5 s after it started, while its shards are being written.
+    proc, ckpt, out = _start_saver(tmp_path, delay_s=0.5)
+    try:
+        _wait_for(out / "b_started", proc, timeout_s=300)
+        time.sleep(0.5)
+        assert proc.poll() is None and not os.path.exists(out / "b_saved"), "save finished too fast"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert [n for n in os.listdir(ckpt) if n.startswith(".tmp-b-")]  # killed mid-save
+    _check_previous_loads(ckpt, out, expect_b_dir=False)
+
+
+# -- corruption and torn checkpoints are detected -------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    seed_all(1)
+    engine = build("bf16")
+    train(engine, 2)
+    path = engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    sd = engine.full_state_dict()
+    engine.close()
+    return tmp_path / "ckpt", path, sd
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_flipped_byte_in_a_shard_file_is_detected_and_named(saved):
+    ckdir, path, _ = saved
+    shards = os.path.join(path, "rank00000.shards")
+    _flip_byte(shards, os.path.getsize(shards) // 2 + 123)
+    engine = build("bf16")
+    with pytest.raises(CheckpointCorruptError, match=r"rank00000\.shards.*checksum mismatch"):
+        engine.load_checkpoint(ckdir)
+
+
+def test_torn_checkpoints_are_detected(saved):
+    ckdir, path, _ = saved
+    engine = build("bf16")
+    state = os.path.join(path, "rank00000.state")
+    _flip_byte(state, 100)
+    with pytest.raises(CheckpointCorruptError, match=r"rank00000\.state.*corrupt"):
+        engine.load_checkpoint(ckdir)
+    shards = os.path.join(path, "rank00000.shards")
+    os.truncate(shards, os.path.getsize(shards) - 4096)
+    with pytest.raises(CheckpointCorruptError, match=r"rank00000\.shards.*bytes, the manifest says"):
+        engine.load_checkpoint(ckdir)
+    os.unlink(os.path.join(path, "manifest.json"))
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.json.*is missing"):
+        engine.load_checkpoint(ckdir, tag="t")
+
+
+def test_missing_rank_file_is_named(saved):
+    ckdir, path, _ = saved
+    os.unlink(os.path.join(path, "rank00000.shards"))
+    with pytest.raises(FileNotFoundError, match=r"missing rank 0's shards file 'rank00000\.shards'"):
+        build("bf16").load_checkpoint(ckdir)
+
+
+# -- consolidation ---------------------------------------------------------------------------------
+
+
+def test_consolidated_safetensors_load_into_a_plain_module(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    ckdir, path, sd = saved
+    out = consolidate(str(ckdir), str(tmp_path / "single"))
+    assert [os.path.basename(p) for p in out] == ["model.safetensors"]
+    plain = TinyGPT()
+    missing = plain.load_state_dict(load_file(out[0]), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    assert_same_sd({k: v.float() for k, v in plain.state_dict().items()}, sd)
+    assert plain.lm_head.weight is plain.wte.weight  # tied stays tied in the plain module
+
+
+def test_consolidate_cli_shards_with_an_index(saved, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    ckdir, path, sd = saved
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload.checkpoint", "consolidate", path, str(tmp_path / "out"),
+         "--max-shard-size", "20KB"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    merged = {}
+    for f in files:
+        part = load_file(str(tmp_path / "out" / f))
+        assert os.path.getsize(tmp_path / "out" / f) < 20_000 + 4096 or len(part) == 1
+        merged.update(part)
+    assert set(merged) == set(index["weight_map"]) == set(sd)
+    for k in sd:
+        assert torch.equal(merged[k], sd[k]), k
+    bad = subprocess.run(
+        [sys.executable, "-m", "offload.checkpoint", "consolidate", str(tmp_path / "nope"), "x"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+
+
+def test_consolidated_world_size_2_checkpoint_equals_full_state_dict(ws2_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    d, first = ws2_checkpoint
+    for dtype in ("fp32", "bf16"):
+        out = consolidate(os.path.join(d, dtype), str(tmp_path / dtype))
+        got = load_file(out[0])
+        want = first[0][dtype]
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_load_errors_name_the_problem(saved, tmp_path):
+    ckdir, path, _ = saved
+    engine = build("bf16")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        engine.load_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"tag 'nope' not found.*\['t'\]"):
+        engine.load_checkpoint(ckdir, tag="nope")
+    os.unlink(ckdir / "latest")
+    with pytest.raises(FileNotFoundError, match=r"no 'latest' file; pass one of the tags present: \['t'\]"):
+        engine.load_checkpoint(ckdir)
+    other = build("bf16", d_model=48)
+    with pytest.raises(ValueError, match=r"parameter 'wte\.weight' has shape \(64, 32\) in the checkpoint and \(64, 48\)"):
+        other.load_checkpoint(ckdir, tag="t")
+    deeper = build("bf16", n_layer=3)
+    with pytest.raises(ValueError, match=r"'blocks\.2\..*' .*is not in it"):
+        deeper.load_checkpoint(ckdir, tag="t")
+    with pytest.raises(ValueError, match="tag"):
+        engine.save_checkpoint(tmp_path / "x", tag="../up")
+
+
+def test_save_mid_accumulation_is_refused(tmp_path):
+    import dataclasses
+
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), dataclasses.replace(make_config(), gradient_accumulation_steps=2))
+    idx = torch.randint(0, 64, (8, 17))
+    engine.backward(engine(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    engine.step()
+    with pytest.raises(RuntimeError, match="accumulation boundary"):
+        engine.save_checkpoint(tmp_path / "c")
+
+
+def test_read_only_directory_is_a_clear_error():
+    from tests.fsutil import mounted_tmpfs
+
+    engine = build()
+    with mounted_tmpfs("1m", read_only=True) as d:
+        with pytest.raises(OSError, match="cannot create a checkpoint in") as info:
+            engine.save_checkpoint(os.path.join(d, "ckpt"))
+        assert info.value.errno in (30, 13)  # EROFS (EACCES when not root)
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint():
+    from tests.fsutil import mounted_tmpfs
+
+    seed_all(1)
+    engine = build("fp32", d_model=64)
+    train(engine, 1)
+    with mounted_tmpfs("2m") as d:
+        ck = os.path.join(d, "ckpt")
+        engine.save_checkpoint(ck, tag="a")  # ~1.3 MB: fits once, not twice
+        want = engine.full_state_dict()
+        train(engine, 1)
+        with pytest.raises(OSError, match="No space left on device") as info:
+            engine.save_checkpoint(ck, tag="b")
+        assert info.value.errno == 28
+        assert open(os.path.join(ck, "latest")).read().strip() == "a"
+        assert os.listdir(ck) == ["a", "latest"] or sorted(os.listdir(ck)) == ["a", "latest"]
+        fresh = build("fp32", d_model=64, seed=3)
+        fresh.load_checkpoint(ck)
+        assert_same_sd(fresh.full_state_dict(), want)
+
+
+def test_crc32c_check_value_and_kernels_agree():
+    from offload._native import C
+
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert C.crc32c(data.data_ptr(), 9) == 0xE3069283  # the CRC-32C check value
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=g)
+    for n in (0, 1, 7, 8, 9, 4096, 100_003):
+        fast = C.crc32c(x.data_ptr(), n)
+        assert fast == C.crc32c(x.data_ptr(), n, 0, True), n  # SSE4.2 == portable
+        # continuing a running CRC equals one pass
+        assert C.crc32c(x.data_ptr() + n // 2, n - n // 2, C.crc32c(x.data_ptr(), n // 2)) == fast
