@@ -70,6 +70,8 @@ class BufferedIOWarning(RuntimeWarning):
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     return -(-nbytes // alignment) * alignment
 
 

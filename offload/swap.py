@@ -27,19 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+# One alignment rule for the whole project: offload.io's (O_DIRECT's 4 KiB).
+from offload.io import ALIGNMENT as PAGE_BYTES
+from offload.io import align_up
+
 logger = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-"""O_DIRECT alignment for offsets, lengths and buffer addresses."""
-
 SWAP_SUBDIR = "offload-swap"
-
-
-def align_up(nbytes: int, alignment: int = PAGE_BYTES) -> int:
-    """The smallest multiple of `alignment` that is >= nbytes."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return (nbytes + alignment - 1) // alignment * alignment
 
 
 @dataclass(frozen=True)
