@@ -78,7 +78,7 @@ _TOP_IGNORED = {
     "seq_parallel_communication_data_type": "offload has no sequence parallelism",
     "activation_checkpointing": "only affects deepspeed.checkpointing; use torch.utils.checkpoint",
     "checkpoint": "checkpoint I/O options of DeepSpeed's engine",
-    "dataloader_drop_last": "offload builds no data loaders",
+    "dataloader_drop_last": "only offload.compat.deepspeed.initialize builds a data loader (and honours it); offload.initialize builds none",
     "disable_python_gc": "runtime detail",
     "compile": "DeepSpeed's compile backend",
     "pipeline": "pipeline parallelism is not used by offload",
