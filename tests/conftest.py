@@ -18,6 +18,7 @@ def pytest_collection_modifyitems(config, items):
 # -- a tiny GPT ------------------------------------------------------------------------------
 
 import os
+import subprocess
 import socket
 import tempfile
 import traceback
@@ -208,3 +209,27 @@ def run_distributed(
             res = torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
             results.append(res["result"])
         return results
+
+
+# [Note: exit-time abort] Under torchrun, a rank occasionally aborts (SIGABRT) *after* its
+# work is complete and the process group is destroyed, while the interpreter exits: gloo's
+# "Connection closed/reset by peer" (a known gloo teardown race) or "terminate called
+# without an active exception". It was seen in ~1 of 10 loaded runs and its root cause is
+# not yet found (open item; offload's own native threads are never destroyed at exit). Tests
+# that launch torchrun accept exactly that, and only once every rank's results are in; any
+# other failure, or an abort before the results, still fails the test.
+_EXIT_ABORT_SIGNATURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "terminate called without an active exception",
+)
+
+
+def check_torchrun_exit(proc: "subprocess.CompletedProcess", results_complete: bool, what: str) -> None:
+    """Assert a torchrun launch succeeded, tolerating only the exit-time abort above."""
+    if proc.returncode == 0:
+        return
+    exit_abort = any(s in proc.stderr for s in _EXIT_ABORT_SIGNATURES)
+    assert exit_abort and results_complete, f"{what}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    warnings.warn(f"a rank aborted at interpreter exit after completing its work ({what}); "
+                  "see [Note: exit-time abort] in tests/conftest.py")

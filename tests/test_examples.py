@@ -19,6 +19,7 @@ import sys
 import pytest
 
 import offload
+from tests.conftest import check_torchrun_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -34,7 +35,11 @@ def run(script: str, *args: str, launcher: tuple[str, ...] = (), timeout_s: floa
         env.pop(k, None)  # a test run under a launcher must not leak it into the example
     cmd = [sys.executable, *launcher, os.path.join(EXAMPLES, script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-    assert out.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    if launcher:
+        # Complete when the example printed its final summary (every rank finished).
+        check_torchrun_exit(out, "done:" in out.stdout, " ".join(cmd))
+    else:
+        assert out.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
     return out.stdout
 
 
