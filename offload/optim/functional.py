@@ -64,12 +64,12 @@ def adam_step_flat_reference(
     step_size = lr / bias_correction1
     denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
     master.addcdiv_(m, denom, value=-step_size)
-    if exp_avg.dtype != torch.float32:
+    # fp32 moments were updated in place (.float() returned the tensor itself); bf16
+    # moments were updated in an fp32 copy, rounded back here.
+    if m is not exp_avg:
         exp_avg.copy_(m)
+    if v is not exp_avg_sq:
         exp_avg_sq.copy_(v)
-    else:
-        exp_avg.copy_(m) if m.data_ptr() != exp_avg.data_ptr() else None
-        exp_avg_sq.copy_(v) if v.data_ptr() != exp_avg_sq.data_ptr() else None
     if out_lowp is not None:
         out_lowp.copy_(master)
 
