@@ -498,6 +498,12 @@ class PrefetchConfig(_Section):
     keep_bytes: int = 256 * _MiB
     """Gathered-parameter bytes kept on the compute device after use because the trace
     says they are needed again soon (end of forward = start of backward); 0 = always release."""
+    optimizer_in_backward: bool = True
+    """Update each unit as soon as its gradient shard is final, while backward goes on
+    (state read ahead, CPU Adam, write-back). Only where it is exact: no gradient
+    clipping (which needs the global norm) and no fp16 (whose overflow check needs every
+    gradient); otherwise the update runs in `engine.step()`. The learning rate and other
+    hyperparameters are then read at backward: change them before `engine.backward`."""
 
     def _check(self) -> None:
         for name in ("prefetch_bytes", "keep_bytes"):

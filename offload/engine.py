@@ -42,10 +42,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload import distributed as _dist
 from offload.config import Config
 from offload.loss_scaler import LossScaler
+from offload.schedule import Prefetcher, Schedule
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
 from offload.io import align_up
 from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
-from offload.tiers import make_param_tier, wait
+from offload.tiers import ReadAhead, make_param_tier, wait
+from offload.timeline import Timeline, now
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
 
 __all__ = ["Engine", "initialize"]
@@ -213,9 +215,34 @@ class Engine:
         )
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._tracks = [_Track() for _ in self.units]
+        self._setup_schedule()
         self._register_hooks()
 
     # -- construction ----------------------------------------------------------------------
+
+    def _setup_schedule(self) -> None:
+        """Prefetch schedule, timeline and the optimizer-in-backward state (docs/prefetch.md)."""
+        tl, pf = self.config.timeline, self.config.prefetch
+        self.timeline = Timeline(tl.enabled, tl.path)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.schedule = Schedule(
+            [0 if u.aliased else u.layout.padded_numel * itemsize for u in self.units],
+            pf.prefetch_bytes, pf.keep_bytes, pinned=[ROOT],
+        )
+        self.prefetcher = Prefetcher(self.units, self.param_tier, self.timeline)
+        if self.nvme is not None:
+            # A prefetch holds pooled buffers; a buffer needed now takes precedence.
+            self.nvme.staging.reclaimers.append(self.prefetcher.reclaim)
+            reclaim = getattr(self.optimizer_states, "reclaim", None)
+            if reclaim is not None:
+                self.nvme.staging.reclaimers.append(reclaim)
+        self._compute_t0 = [0.0] * len(self.units)
+        self._opt_in_backward = False
+        self._pass_updates = 0
+        self._updated: set[int] = set()
+        """Units whose update already ran during this step's backward."""
+        self._hyper_at_backward: Optional[list[tuple]] = None
+        self._warned_hyper = False
 
     def _plan_layouts(
         self, plans: list[UnitPlan], group_of: dict[int, int]
@@ -548,7 +575,8 @@ class Engine:
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if unit.index == ROOT and not self._in_backward:
             args, kwargs = self._cast_inputs(args, kwargs)
-        unit.gather()
+            self._begin_iteration()
+        self._use(unit, "r" if self._in_backward else "f")
         track = self._tracks[unit.index]
         if self._in_backward and (track.in_backward or track.n_forward > 0):
             # Activation-checkpoint recomputation (non-reentrant): the original forward's
@@ -573,6 +601,9 @@ class Engine:
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> Any:
         if self._in_backward:
             return None  # recomputation: stays gathered until the unit's post-backward
+        if self.timeline.enabled:
+            self.timeline.add(f"fwd {unit.name or '<root>'}", "compute", "compute",
+                              self._compute_t0[unit.index], now(), unit.index)
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -581,7 +612,8 @@ class Engine:
                 tensors, _bind(self._pre_backward, unit), mode="any"
             )
         if unit.index != ROOT:
-            unit.free()
+            if not (tensors and self.schedule.keep_after_forward(unit.index)):
+                unit.free()  # else kept: the trace says its backward comes soon
         elif not tensors:
             # A forward that backward will never visit (eval, no_grad): release everything.
             self._tracks[ROOT].pending = False
@@ -593,8 +625,12 @@ class Engine:
             self._in_backward = True
             # Runs when this backward pass finishes, inside the autograd engine.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        unit.gather()
+            self._start_backward()
+        self._use(unit, "b")
         self._tracks[unit.index].in_backward = True
+        if self._opt_in_backward and self.optimizer_states.kind == "nvme":
+            # This unit's state, and the next one's, are read while its backward computes.
+            self.optimizer.prefetch_units([unit.index] + self.schedule.next_uses("b", 1))
 
     def _post_backward(self, unit: FlatUnit) -> None:
         track = self._tracks[unit.index]
@@ -603,21 +639,167 @@ class Engine:
             self._reduce(unit)
 
     def _reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter the unit's gradients into its host shard and free it."""
+        """Reduce-scatter the unit's gradients into its host shard and free it; with the
+        optimizer in backward, update the unit now."""
         st = self.states[unit.index]
+        t0 = now()
         if st.grad.numel():
+            if unit.index in self._updated:
+                raise RuntimeError(
+                    f"unit {unit.name or '<root>'} received gradients after its optimizer update "
+                    "ran during backward (two backward passes before engine.step() at an "
+                    "accumulation boundary?); set prefetch.optimizer_in_backward=false for such "
+                    "loops, or call engine.step() after each engine.backward()"
+                )
             have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
             st.grad_valid = True
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
+        t1 = now()
+        tl = self.timeline
+        tl.count("collective", t1 - t0)
+        if tl.enabled:
+            name = unit.name or "<root>"
+            if self._tracks[unit.index].in_backward:
+                tl.add(f"bwd {name}", "compute", "compute", self._compute_t0[unit.index], t0, unit.index)
+            tl.add(f"reduce {name}", "reduce", "compute", t0, t1, unit.index)
         self._tracks[unit.index] = _Track()
         if unit.index != ROOT:
             unit.free()
+        if self._opt_in_backward and st.grad.numel():
+            self._update_in_backward(unit)
+
+    # -- prefetch, optimizer in backward (offload/schedule.py, docs/prefetch.md) ----------------
+
+    def _begin_iteration(self) -> None:
+        """A forward of the root outside backward: a new iteration of the schedule."""
+        if torch.is_grad_enabled():
+            self.timeline.begin_step(self.global_steps + self.skipped_steps)
+        self.schedule.begin((torch.is_grad_enabled(), self.module.training))
+
+    def _use(self, unit: FlatUnit, phase: str) -> None:
+        """Unit `unit` is needed now: follow the trace, gather it (consuming its prefetch),
+        and start fetching what the trace needs next."""
+        following = self.schedule.use(unit.index, phase)
+        if following:
+            self.prefetcher.poll()
+        elif self.schedule.active and self.prefetcher.pending:
+            self.prefetcher.drop()  # off trace: what was fetched ahead may not be used
+            if self.timeline.current is not None:
+                self.timeline.current.off_trace = True
+        self._gather(unit)
+        if following:
+            for u in self.schedule.ahead():
+                if u in self.prefetcher.pending or self.units[u].is_gathered:
+                    continue
+                if not self.prefetcher.start(u):
+                    break  # no buffer now (or nothing to fetch): the rest on demand
+        self._compute_t0[unit.index] = now()
+
+    def _gather(self, unit: FlatUnit) -> None:
+        if unit.is_gathered:
+            return
+        tl = self.timeline
+        entry = self.prefetcher.take(unit.index)
+        ahead = entry is not None
+        if entry is None:
+            entry = self.prefetcher.fetch_now(unit.index)
+        cur = tl.current
+        if cur is not None and entry is not None:
+            cur.prefetched += int(ahead)
+            cur.on_demand += int(not ahead)
+        local, filled = None, False
+        try:
+            if entry is not None:
+                t0 = now()
+                if isinstance(entry.what, ReadAhead):
+                    entry.what.pending.wait()
+                    local = entry.what.local
+                else:
+                    entry.what.ready_on_compute_stream()
+                    filled = True
+                t1 = now()
+                tl.count("fetch_wait", t1 - t0)
+                if tl.enabled:
+                    kind = "read" if local is not None else "copy"
+                    tl.add(f"{kind} {unit.name or '<root>'}", kind, "io", entry.started,
+                           entry.done_at or t1, unit.index, ahead=ahead)
+                    if t1 - t0 > 1e-5:
+                        tl.add(f"wait {unit.name or '<root>'}", "wait", "compute", t0, t1, unit.index)
+            t1 = now()
+            unit.gather(local=local, filled=filled)
+            t2 = now()
+        finally:
+            if local is not None:
+                entry.drop()  # the staging buffer goes back once copied into `full`
+        tl.count("collective", t2 - t1)
+        tl.add(f"gather {unit.name or '<root>'}", "gather", "compute", t1, t2, unit.index)
+
+    def _start_backward(self) -> None:
+        """Decide, once per backward pass, whether units update as their gradients finish."""
+        self._pass_updates = 0
+        if self._updated:
+            raise RuntimeError(
+                "a second backward pass before engine.step(), after the first one already ran "
+                "optimizer updates (prefetch.optimizer_in_backward); call engine.step() after "
+                "each engine.backward(), or set prefetch.optimizer_in_backward=false"
+            )
+        self._opt_in_backward = (
+            self.config.prefetch.optimizer_in_backward
+            and float(self.config.gradient_clipping) <= 0.0
+            and self.dtype != torch.float16
+            and self.scaler.scale == 1.0
+            and self.is_gradient_accumulation_boundary()
+        )
+
+    def _hyperparameters(self) -> list[tuple]:
+        return [
+            (float(g["lr"]), tuple(g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+            for g in self.optimizer.param_groups
+        ]
+
+    def _update_in_backward(self, unit: FlatUnit) -> None:
+        st = self.states[unit.index]
+        tl = self.timeline
+        if self.world_size > 1:
+            # Which parameters got a gradient on any rank (the step's _sync_has_grad, for
+            # this unit now): every rank reduces units in the same order, so this matches.
+            t0 = now()
+            flags = torch.tensor([float(h) for h in st.slot_has_grad], dtype=torch.float32)
+            flags = self._all_reduce(flags, "max")
+            st.slot_has_grad = [bool(v) for v in flags.tolist()]
+            tl.count("collective", now() - t0)
+        if self._hyper_at_backward is None:
+            self._hyper_at_backward = self._hyperparameters()
+        io0 = self.nvme.stats.wait_s if self.nvme is not None else 0.0
+        t0 = now()
+        updated = self.optimizer.update_unit(
+            unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
+        )
+        t1 = now()
+        self._updated.add(unit.index)
+        self._pass_updates += 1
+        tl.count("optimizer", t1 - t0)
+        if self.nvme is not None:
+            tl.count("optimizer_io", self.nvme.stats.wait_s - io0)
+        if tl.current is not None:
+            tl.current.optimizer_in_backward_units += int(updated)
+        tl.add(f"adam {unit.name or '<root>'}", "optimizer", "optimizer", t0, t1, unit.index)
+
+    def step_stats(self) -> Optional[dict[str, Any]]:
+        """The last completed optimizer step as the engine measured it (offload.timeline:
+        step time, stall time split into fetch waits / collectives / optimizer I/O,
+        optimizer time, how many units updated during backward, prefetched vs on-demand
+        fetches, whether the step left its trace), or None before the first step."""
+        last = self.timeline.last
+        return None if last is None else last.as_dict()
 
     def _finish_backward(self) -> None:
         """End of a backward pass: reduce every unit still pending, in one fixed order on
         every rank (collectives must match), then free the root. Idempotent."""
         if not self._in_backward and not any(t.pending for t in self._tracks):
             return
+        self.schedule.end()
+        self.prefetcher.drop()
         for unit in reversed(self.units):
             if self._tracks[unit.index].pending:
                 self._reduce(unit)
@@ -628,6 +810,19 @@ class Engine:
         self._in_backward = False
 
     def _abort_backward(self) -> None:
+        self.schedule.end()
+        self.prefetcher.drop()
+        if self._in_backward and self._pass_updates:
+            import warnings
+
+            # They stay marked: engine.step() updates only the others.
+            warnings.warn(
+                f"backward failed after {self._pass_updates} unit(s) were already updated by the "
+                "optimizer during it (prefetch.optimizer_in_backward): this step is partially "
+                "applied; restore from a checkpoint for exact training",
+                RuntimeWarning, stacklevel=3,
+            )
+        self._opt_in_backward = False
         for unit in self.units:
             for p in unit.params:
                 p.grad = None
@@ -688,8 +883,11 @@ class Engine:
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
+        for unit in self.units:
+            unit.free()  # anything still gathered (kept by a forward without backward) goes stale
+        skip = self._updated
         # NVMe: the first units' state reads run under the overflow check and the norm.
-        self.optimizer.prefetch()
+        self.optimizer.prefetch(skip)
         self._sync_has_grad()
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         overflow = False
@@ -716,7 +914,17 @@ class Engine:
             self.last_grad_norm = total
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
             grad_scale = unscale * min(1.0, clip / (total + 1e-6))
-        self.optimizer.step(grad_scale=grad_scale)
+        tl = self.timeline
+        io0 = self.nvme.stats.wait_s if self.nvme is not None else 0.0
+        t0 = now()
+        with tl.span("adam (step)", "optimizer", "optimizer"):
+            self.optimizer.step(grad_scale=grad_scale, skip=skip)
+        tl.count("optimizer", now() - t0)
+        if self.nvme is not None:
+            tl.count("optimizer_io", self.nvme.stats.wait_s - io0)
+        self._check_hyperparameters()
+        self._updated = set()
+        self._opt_in_backward = False
         self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -725,6 +933,24 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad()
+        self.timeline.end_step()
+
+    def _check_hyperparameters(self) -> None:
+        """Units updated during backward used the hyperparameters of that moment: say so
+        (once) if the user changed them between backward and step."""
+        before, self._hyper_at_backward = self._hyper_at_backward, None
+        if before is None or self._warned_hyper or before == self._hyperparameters():
+            return
+        self._warned_hyper = True
+        import warnings
+
+        warnings.warn(
+            "optimizer hyperparameters (lr, betas, eps, weight_decay) changed between "
+            "engine.backward() and engine.step(); with prefetch.optimizer_in_backward the units "
+            "updated during backward used the earlier values. Set them before the forward "
+            "(or before engine.backward()), or set prefetch.optimizer_in_backward=false",
+            RuntimeWarning, stacklevel=3,
+        )
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
@@ -928,6 +1154,9 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        prefetcher = getattr(self, "prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.drop()
         if self._finalizer is not None:
             self._finalizer()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():

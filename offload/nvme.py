@@ -118,6 +118,11 @@ class Staging:
     def __init__(self, budget_bytes: int, pin: Optional[bool] = None) -> None:
         self.pool = BufferPool(int(budget_bytes), pin=pin)
         self._inflight: collections.deque[Pending] = collections.deque()
+        self.reclaimers: list[Callable[[], bool]] = []
+        """Holders of buffers taken ahead of need (prefetched shards and states): called,
+        in order, when `acquire` finds the pool full and no write in flight; each gives
+        back what it holds and says whether it did. A prefetch is only ever an
+        optimisation, so dropping one for a buffer that is needed now is always right."""
 
     @property
     def budget_bytes(self) -> int:
@@ -130,6 +135,8 @@ class Staging:
             if buf is not None:
                 return buf
             if not self._inflight:
+                if any([reclaim() for reclaim in self.reclaimers]):
+                    continue
                 raise RuntimeError(
                     f"the pinned staging budget offload.pinned_budget_bytes={self.pool.budget_bytes} "
                     f"cannot hold another {nbytes}-byte buffer: {self.pool.bytes_in_use} bytes are "

@@ -144,7 +144,34 @@ class HostOptimizerStates:
                 for h in t.holds:
                     h.wait()
 
-    def prefetch(self, indices: Sequence[int], scratch_bytes: Callable[[int], int]) -> None:
+    def checkout(self, index: int, scratch_bytes: int) -> UnitTensors:
+        """Unit `index`'s tensors for one update (the optimizer-in-backward path), with
+        `scratch_bytes` of pooled scratch; give them back with `checkin` (or `abandon`)."""
+        st = self._states[index]
+        buf = None
+        if scratch_bytes:
+            if self._staging is None:
+                raise RuntimeError("scratch bytes asked of a host store without a staging pool")
+            buf = self._staging.acquire(scratch_bytes)
+        return UnitTensors(st.master, st.exp_avg, st.exp_avg_sq, scratch=buf,
+                           _buffers=() if buf is None else (buf,))
+
+    def checkin(self, index: int, t: UnitTensors) -> None:
+        if t._buffers:
+            staging, buf = self._staging, t._buffers[0]
+            staging.track(Pending(t.holds, release=lambda: staging.release(buf)))
+        else:
+            for h in t.holds:
+                h.wait()
+
+    def abandon(self, index: int, t: UnitTensors) -> None:
+        wait_quietly(t.holds)
+        if t._buffers:
+            self._staging.release(t._buffers[0])
+
+    def prefetch(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int], limit: int = 2
+    ) -> None:
         """Nothing to read ahead: the state is in memory."""
 
     def cancel_prefetch(self) -> None:
@@ -230,6 +257,44 @@ class NVMeOptimizerStates:
             for h in t.holds:
                 h.wait()
             self._ctx.staging.release(buf)
+
+    def checkout(self, index: int, scratch_bytes: int) -> UnitTensors:
+        """Unit `index`'s state for one update (the optimizer-in-backward path): from the
+        read `prefetch` started, else read now. Give it back with `checkin` (write-back,
+        not waited for) or `abandon` (after an error: nothing written)."""
+        entry = self._prefetched.pop(index, None)
+        if entry is not None and entry[0].numel() < self.layouts[index].nbytes + align_up(scratch_bytes):
+            wait_quietly([entry[1]])  # prefetched without room for scratch: read again
+            self._ctx.staging.release(entry[0])
+            entry = None
+        if entry is None:
+            buf = self._ctx.staging.acquire(self.layouts[index].nbytes + align_up(scratch_bytes))
+            try:
+                entry = (buf, self._read(index, buf))
+            except BaseException:
+                self._ctx.staging.release(buf)
+                raise
+        buf, handle = entry
+        try:
+            handle.wait()
+        except BaseException:
+            self._ctx.staging.release(buf)
+            raise
+        return self._views(index, buf, scratch_bytes)
+
+    def checkin(self, index: int, t: UnitTensors) -> None:
+        self._write(index, t._buffers[0], t.holds)
+
+    def abandon(self, index: int, t: UnitTensors) -> None:
+        wait_quietly(t.holds)
+        self._ctx.staging.release(t._buffers[0])
+
+    def reclaim(self) -> bool:
+        """`Staging.reclaimers` hook: drop the reads started ahead; True if there were any."""
+        if not self._prefetched:
+            return False
+        self.cancel_prefetch()
+        return True
 
     # -- the step's pipeline ------------------------------------------------------------------
 

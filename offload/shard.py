@@ -242,31 +242,59 @@ class FlatUnit:
     def shard(self) -> Optional[torch.Tensor]:
         return self.tier.view(self.key)
 
-    def gather(self) -> None:
-        """Make every parameter readable on the compute device (idempotent)."""
+    @property
+    def is_gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
+
+    def alloc_full(self) -> None:
+        """Give the full buffer its bytes (a prefetch fills this rank's slot before the
+        gather; see offload/schedule.py)."""
+        _alloc_storage(self.full)
+
+    def gather(self, local: Optional[torch.Tensor] = None, filled: bool = False) -> None:
+        """Make every parameter readable on the compute device (idempotent).
+
+        local: this rank's shard already fetched (a prefetched NVMe read, host memory), used
+            instead of fetching from the tier. filled: this rank's slot of `full` already
+            holds the shard (a prefetched copy, ordered before this call's stream work).
+        """
         if self.state is UnitState.GATHERED:
             return
         _alloc_storage(self.full)
         n = self.layout.shard_numel
+        r = self.pg.rank
         if self._coll_device == self.device:
-            local = self.tier.view(self.key)
-            if local is None or local.device != self.device:
-                # Stage this rank's shard into its own slot of `full`, then gather in place.
-                local = self.full[self.pg.rank * n : (self.pg.rank + 1) * n]
-                wait(self.tier.fetch(self.key, local))
-            _dist.all_gather_into(self.full, local, self.pg)
+            slot = self.full[r * n : (r + 1) * n]
+            if filled:
+                src = slot
+            elif local is not None:
+                slot.copy_(local)
+                src = slot
+            else:
+                src = self.tier.view(self.key)
+                if src is None or src.device != self.device:
+                    # Stage this rank's shard into its own slot of `full`, then gather in place.
+                    src = slot
+                    wait(self.tier.fetch(self.key, src))
+            _dist.all_gather_into(self.full, src, self.pg)
         else:
             # gloo with a GPU compute device: gather in host memory, then one copy up.
             full_host = torch.empty(self.layout.padded_numel, dtype=self.dtype)
-            local = full_host[self.pg.rank * n : (self.pg.rank + 1) * n]
-            wait(self.tier.fetch(self.key, local))
-            _dist.all_gather_into(full_host, local, self.pg)
+            slot = full_host[r * n : (r + 1) * n]
+            if filled:
+                slot.copy_(self.full[r * n : (r + 1) * n])
+            elif local is not None:
+                slot.copy_(local)
+            else:
+                wait(self.tier.fetch(self.key, slot))
+            _dist.all_gather_into(full_host, slot, self.pg)
             self.full.copy_(full_host)
         self.state = UnitState.GATHERED
 
     def free(self) -> None:
-        """Release the full buffer (idempotent; a no-op when aliased to the shard)."""
-        if self.aliased or self.state is UnitState.SHARDED:
+        """Release the full buffer (idempotent; a no-op when aliased to the shard). Also
+        releases bytes a dropped prefetch allocated."""
+        if self.aliased:
             return
         _free_storage(self.full)
         self.state = UnitState.SHARDED

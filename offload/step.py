@@ -120,53 +120,81 @@ class ShardedAdam(torch.optim.Optimizer):
         return fn
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, grad_scale: Optional[float] = 1.0) -> None:  # type: ignore[override]
+    def step(
+        self, closure: Any = None, *, grad_scale: Optional[float] = 1.0, skip: Any = ()
+    ) -> None:  # type: ignore[override]
+        """Update every unit (but those in `skip`: already updated during backward by
+        `update_unit`) through the store's pipeline."""
         if closure is not None:
             raise TypeError("ShardedAdam.step takes no closure; call engine.step()")
         if grad_scale is None:
             self.store.cancel_prefetch()
             return
         adam = self._adam()
-        for i, t in self.store.stream(self._work(), self._scratch_bytes):
-            st = self.unit_states[i]
-            active = [
-                has and slot.group != FROZEN_GROUP
-                for has, slot in zip(st.slot_has_grad, st.layout.slots)
-            ]
-            new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
-            runs = update_runs(st.layout, self.rank, active, new_steps)
-            lowp = self._lowp_target(st, t)
-            if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
-                # A staging buffer is stored whole: what the runs do not write (frozen or
-                # gradient-less parameters, gaps, padding) must hold the shard's current
-                # values, which are always the master rounded to the compute dtype.
-                _fill_outside_runs(lowp, t.master, runs)
-            for run in runs:
-                g = self.param_groups[run.group]
-                beta1, beta2 = g["betas"]
-                sl = slice(run.start, run.end)
-                adam(
-                    t.master[sl],
-                    st.grad[sl],
-                    t.exp_avg[sl],
-                    t.exp_avg_sq[sl],
-                    step=run.step,
-                    lr=float(g["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(g["eps"]),
-                    weight_decay=float(g["weight_decay"]),
-                    decoupled_weight_decay=self.decoupled_weight_decay,
-                    grad_scale=float(grad_scale),
-                    out_lowp=None if lowp is None else lowp[sl],
-                )
-            st.slot_steps = new_steps
-            self._publish(st, t, lowp, bool(runs))
+        work = [i for i in self._work() if i not in skip]
+        for i, t in self.store.stream(work, self._scratch_bytes):
+            self._update(self.unit_states[i], t, adam, grad_scale)
 
-    def prefetch(self) -> None:
+    @torch.no_grad()
+    def update_unit(self, index: int, grad_scale: float) -> bool:
+        """Update one unit now (its gradient shard is final): the optimizer-in-backward path.
+        Its state comes from a read started by `prefetch_units` when there is one. Returns
+        False when the unit has nothing to optimize."""
+        if index not in set(self._work()):
+            return False
+        t = self.store.checkout(index, self._scratch_bytes(index))
+        try:
+            self._update(self.unit_states[index], t, self._adam(), grad_scale)
+        except BaseException:
+            self.store.abandon(index, t)
+            raise
+        self.store.checkin(index, t)
+        return True
+
+    def prefetch_units(self, indices: Any) -> None:
+        """Start reading these units' state (NVMe) where buffers are free without waiting."""
+        work = set(self._work())
+        self.store.prefetch([i for i in indices if i in work], self._scratch_bytes, limit=len(indices))
+
+    def _update(self, st: UnitOptimizerState, t: UnitTensors, adam: Any, grad_scale: float) -> None:
+        active = [
+            has and slot.group != FROZEN_GROUP
+            for has, slot in zip(st.slot_has_grad, st.layout.slots)
+        ]
+        new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
+        runs = update_runs(st.layout, self.rank, active, new_steps)
+        lowp = self._lowp_target(st, t)
+        if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
+            # A staging buffer is stored whole: what the runs do not write (frozen or
+            # gradient-less parameters, gaps, padding) must hold the shard's current
+            # values, which are always the master rounded to the compute dtype.
+            _fill_outside_runs(lowp, t.master, runs)
+        for run in runs:
+            g = self.param_groups[run.group]
+            beta1, beta2 = g["betas"]
+            sl = slice(run.start, run.end)
+            adam(
+                t.master[sl],
+                st.grad[sl],
+                t.exp_avg[sl],
+                t.exp_avg_sq[sl],
+                step=run.step,
+                lr=float(g["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+                decoupled_weight_decay=self.decoupled_weight_decay,
+                grad_scale=float(grad_scale),
+                out_lowp=None if lowp is None else lowp[sl],
+            )
+        st.slot_steps = new_steps
+        self._publish(st, t, lowp, bool(runs))
+
+    def prefetch(self, skip: Any = ()) -> None:
         """Start reading the first units' state for the coming `step` (NVMe; a no-op in
         memory). The engine calls it before the overflow check and gradient norm."""
-        self.store.prefetch(self._work(), self._scratch_bytes)
+        self.store.prefetch([i for i in self._work() if i not in skip], self._scratch_bytes)
 
     def _work(self) -> list[int]:
         return [

@@ -23,7 +23,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from offload.io import ALIGNMENT
-from offload.nvme import NVMeContext, Pending
+from offload.nvme import NVMeContext, Pending, wait_quietly
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -240,6 +240,28 @@ class NVMeTier(Tier):
             stats=ctx.stats,
         )
 
+    def read_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
+        """Submit the read of shard `key` into a pooled staging buffer and return at once
+        (the prefetch scheduler's NVMe stage, offload/schedule.py). With `block=False` it
+        never waits: None when the pool has no free buffer now (the caller fetches on demand
+        later). The caller waits on `.pending`, reads `.local`, then `.release()`s."""
+        i = self._slot(key)
+        self._wait_write(i)  # [Note: slot ordering]
+        slot = self._swap.check_readable(i)
+        ctx = self._ctx
+        buf = ctx.staging.acquire(slot.nbytes) if block else ctx.staging.try_acquire(slot.nbytes)
+        if buf is None:
+            return None
+        try:
+            req = ctx.aio.pread(buf, self._swap.path, slot.offset)
+        except BaseException:
+            ctx.staging.release(buf)
+            raise
+        ctx.stats.bytes_read += slot.nbytes
+        numel, dtype = self._spec[i]
+        local = buf[: numel * _itemsize(dtype)].view(dtype)
+        return ReadAhead(Pending([req], stats=ctx.stats), local, lambda: ctx.staging.release(buf))
+
     def store(self, key: Hashable, src: torch.Tensor) -> Pending:
         i = self._slot(key)
         self._check_buffer(key, i, src)
@@ -305,6 +327,24 @@ class NVMeTier(Tier):
             )
         if not buf.is_contiguous():
             raise ValueError(f"shard {key!r}: the buffer must be contiguous")
+
+
+class ReadAhead:
+    """A shard read submitted ahead of use: wait on `pending`, then `local` holds the shard
+    (host memory, the tier's dtype); `release()` gives the buffer back (idempotent)."""
+
+    __slots__ = ("pending", "local", "_release")
+
+    def __init__(self, pending: Pending, local: torch.Tensor, release: Any) -> None:
+        self.pending = pending
+        self.local = local
+        self._release = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            wait_quietly([self.pending])  # the buffer is the read's target until it lands
+            release, self._release = self._release, None
+            release()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

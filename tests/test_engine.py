@@ -36,7 +36,7 @@ from torch import nn
 import offload
 import offload.engine
 import offload.tiers
-from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig
+from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig
 from tests.conftest import TinyGPT, check_torchrun_exit, gpt_batches, run_distributed
 
 LR = 2e-3
@@ -683,7 +683,10 @@ def test_torchrun_launch_trains_like_plain_adamw(tmp_path):
 
 def test_a_failed_backward_leaves_the_engine_usable():
     torch.manual_seed(0)
-    engine = offload.initialize(TinyGPT(), make_config())
+    # Updates deferred to step(): the discarded first backward must leave nothing applied.
+    engine = offload.initialize(
+        TinyGPT(), make_config(prefetch=PrefetchConfig(optimizer_in_backward=False))
+    )
     x, y = gpt_batches(1)[0]
     loss = engine(x, y)
     engine.backward(loss, retain_graph=False)
@@ -692,6 +695,21 @@ def test_a_failed_backward_leaves_the_engine_usable():
     assert not engine._in_backward
     engine.optimizer.zero_grad()
     engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 1
+
+
+def test_a_second_backward_after_updates_in_backward_is_a_clear_error():
+    """With the optimizer in backward, the first backward at a boundary already applied the
+    update: a second one before step() cannot be folded in, and says so (never updates a
+    unit twice)."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), make_config())
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    assert engine._updated, "the boundary backward ran no update"
+    with pytest.raises(RuntimeError, match="optimizer_in_backward=false"):
+        engine.backward(engine(x, y))
     engine.step()
     assert engine.global_steps == 1
 

@@ -1,0 +1,235 @@
+"""What one training step did, and when: per-unit spans, stall time, a Chrome trace.
+
+The engine reports, for every step, how long compute waited for data (`StepStats`): the time
+the compute thread spent blocked on a parameter shard that was not there yet (an NVMe read
+or a host-to-device copy still in flight), in collectives (all-gather, reduce-scatter), and
+on optimizer-state I/O. Those few clock reads per unit are always taken: they are what
+`engine.step_stats()` returns, and they cost nanoseconds beside a unit's compute.
+
+With `timeline.enabled` the engine also records spans, one per stage of each unit's trip
+(read, copy, gather, compute, reduce, optimizer, write-back), on named tracks ("compute",
+"io", "optimizer", ...), and exports them as Chrome/Perfetto trace JSON (chrome://tracing,
+https://ui.perfetto.dev). Off, `span()` returns one shared no-op context and nothing is
+allocated.
+
+Spans may be added from any thread (the optimizer worker, I/O completions observed late):
+appends take a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+__all__ = ["Span", "StepStats", "Timeline", "now"]
+
+now = time.perf_counter
+"""The clock every span and stall uses (seconds, monotonic)."""
+
+STALL_KINDS = ("fetch_wait", "collective", "optimizer_io")
+"""What counts as stall: compute waiting for a shard's bytes, for a collective, and the
+engine's thread waiting for optimizer-state I/O inside `step()`."""
+
+
+@dataclass
+class Span:
+    name: str
+    """What ran, e.g. 'fwd h.3', 'read h.4'."""
+    cat: str
+    """The stage: read, copy, gather, compute, reduce, optimizer, write, wait, step."""
+    track: str
+    """The row it is drawn on: 'compute', 'io', 'optimizer'."""
+    start: float
+    end: float
+    unit: Optional[int] = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepStats:
+    """One optimizer step (all its micro-batches), as the engine measured it."""
+
+    step: int
+    """The engine's `global_steps + skipped_steps` when the step began (0-based)."""
+    step_s: float = 0.0
+    """From the first unit's forward to the end of `engine.step()`."""
+    fetch_wait_s: float = 0.0
+    """Compute thread blocked on a shard read/copy that prefetch had not finished."""
+    collective_s: float = 0.0
+    """Compute thread in all-gather / reduce-scatter / small all-reduces."""
+    optimizer_io_s: float = 0.0
+    """The engine's thread waiting for optimizer-state I/O (NVMe)."""
+    optimizer_s: float = 0.0
+    """Time spent in optimizer updates (during backward and in `step()`)."""
+    optimizer_in_backward_units: int = 0
+    """Units whose update ran during backward (optimizer overlapped with backward)."""
+    prefetched: int = 0
+    """Shard fetches that were issued ahead of their use."""
+    on_demand: int = 0
+    """Shard fetches that were issued only when the unit was needed."""
+    off_trace: bool = False
+    """The unit order differed from the trace: the step fell back to on-demand fetching."""
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def stall_s(self) -> float:
+        return self.fetch_wait_s + self.collective_s + self.optimizer_io_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "step_s": self.step_s,
+            "stall_s": self.stall_s,
+            "stall_fraction": self.stall_s / self.step_s if self.step_s > 0 else 0.0,
+            "fetch_wait_s": self.fetch_wait_s,
+            "collective_s": self.collective_s,
+            "optimizer_io_s": self.optimizer_io_s,
+            "optimizer_s": self.optimizer_s,
+            "optimizer_in_backward_units": self.optimizer_in_backward_units,
+            "prefetched": self.prefetched,
+            "on_demand": self.on_demand,
+            "off_trace": self.off_trace,
+        }
+
+
+class _NoSpan:
+    """The shared do-nothing context of a disabled timeline."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+class Timeline:
+    """Collects `StepStats` per step, and spans when enabled.
+
+    `keep_steps` bounds memory: only the last steps' records are kept (their stats always;
+    the spans of all kept steps when enabled). `path`: where `write()` (called by the engine
+    after every step when set) puts the Chrome trace of the kept steps.
+    """
+
+    def __init__(self, enabled: bool = False, path: Optional[str] = None, keep_steps: int = 8) -> None:
+        self.enabled = bool(enabled)
+        self.path = path
+        self.keep_steps = max(1, int(keep_steps))
+        self.steps: list[StepStats] = []
+        self.current: Optional[StepStats] = None
+        self._t0: Optional[float] = None
+        self._lock = threading.Lock()
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> StepStats:
+        """Open step `step` if none is open (idempotent within a step)."""
+        if self.current is None:
+            self.current = StepStats(step=step)
+            self._t0 = now()
+        return self.current
+
+    def end_step(self) -> Optional[StepStats]:
+        """Close the open step, keep it, and write the trace file if configured."""
+        cur = self.current
+        if cur is None:
+            return None
+        cur.step_s = now() - (self._t0 or now())
+        if self.enabled:
+            cur.spans.append(Span("step", "step", "step", self._t0 or 0.0, self._t0 + cur.step_s))
+        with self._lock:
+            self.steps.append(cur)
+            del self.steps[: -self.keep_steps]
+        self.current = None
+        if self.enabled and self.path:
+            self.write(self.path)
+        return cur
+
+    @property
+    def last(self) -> Optional[StepStats]:
+        return self.steps[-1] if self.steps else None
+
+    # -- recording -----------------------------------------------------------------------
+
+    def add(
+        self, name: str, cat: str, track: str, start: float, end: float,
+        unit: Optional[int] = None, **args: Any,
+    ) -> None:
+        """Record a span that already happened (no-op when disabled or outside a step)."""
+        if not self.enabled:
+            return
+        cur = self.current
+        if cur is None:
+            return
+        with self._lock:
+            cur.spans.append(Span(name, cat, track, start, end, unit, args))
+
+    def span(self, name: str, cat: str, track: str = "compute", unit: Optional[int] = None) -> Any:
+        """Context manager recording a span around its body (a shared no-op when disabled)."""
+        if not self.enabled or self.current is None:
+            return _NO_SPAN
+        return self._span(name, cat, track, unit)
+
+    @contextlib.contextmanager
+    def _span(self, name: str, cat: str, track: str, unit: Optional[int]) -> Iterator[None]:
+        t0 = now()
+        try:
+            yield
+        finally:
+            self.add(name, cat, track, t0, now(), unit)
+
+    def count(self, kind: str, seconds: float) -> None:
+        """Add `seconds` to the open step's stall counter `kind` (see STALL_KINDS)."""
+        cur = self.current
+        if cur is not None:
+            setattr(cur, kind + "_s", getattr(cur, kind + "_s") + seconds)
+
+    # -- export ----------------------------------------------------------------------------
+
+    def chrome_trace(self, steps: Optional[list[StepStats]] = None) -> dict[str, Any]:
+        """The kept steps (or `steps`) as a Chrome trace-event dict: one process, one
+        thread row per track, complete ('X') events in microseconds from the first span."""
+        steps = self.steps if steps is None else steps
+        spans = [s for st in steps for s in st.spans]
+        if not spans:
+            return {"traceEvents": [], "displayTimeUnit": "ms"}
+        origin = min(s.start for s in spans)
+        tracks: dict[str, int] = {}
+        events: list[dict[str, Any]] = []
+        for s in sorted(spans, key=lambda s: s.start):
+            tid = tracks.setdefault(s.track, len(tracks) + 1)
+            args = dict(s.args)
+            if s.unit is not None:
+                args["unit"] = s.unit
+            events.append({
+                "name": s.name, "cat": s.cat, "ph": "X", "pid": os.getpid(), "tid": tid,
+                "ts": (s.start - origin) * 1e6, "dur": max(0.0, s.end - s.start) * 1e6,
+                "args": args,
+            })
+        for name, tid in tracks.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid,
+                           "args": {"name": name}})
+        for st in steps:
+            events.append({
+                "name": f"step {st.step}", "ph": "i", "s": "g", "pid": os.getpid(), "tid": 0,
+                "ts": (min((s.start for s in st.spans), default=origin) - origin) * 1e6,
+                "args": st.as_dict(),
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: str) -> None:
+        """Write `chrome_trace()` to `path` atomically (a reader never sees half a file)."""
+        data = json.dumps(self.chrome_trace())
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
