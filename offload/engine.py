@@ -614,6 +614,8 @@ class Engine:
         if unit.index != ROOT:
             if not (tensors and self.schedule.keep_after_forward(unit.index)):
                 unit.free()  # else kept: the trace says its backward comes soon
+                if self.schedule.following:
+                    self._prefetch_ahead()  # it may be the next one needed
         elif not tensors:
             # A forward that backward will never visit (eval, no_grad): release everything.
             self._tracks[ROOT].pending = False
@@ -682,18 +684,22 @@ class Engine:
         following = self.schedule.use(unit.index, phase)
         if following:
             self.prefetcher.poll()
-        elif self.schedule.active and self.prefetcher.pending:
+        elif self.schedule.diverged:
             self.prefetcher.drop()  # off trace: what was fetched ahead may not be used
             if self.timeline.current is not None:
                 self.timeline.current.off_trace = True
         self._gather(unit)
         if following:
-            for u in self.schedule.ahead():
-                if u in self.prefetcher.pending or self.units[u].is_gathered:
-                    continue
-                if not self.prefetcher.start(u):
-                    break  # no buffer now (or nothing to fetch): the rest on demand
+            self._prefetch_ahead()
         self._compute_t0[unit.index] = now()
+
+    def _prefetch_ahead(self) -> None:
+        """Start fetching the units the trace needs next, within the prefetch budget."""
+        for u in self.schedule.ahead():
+            if u in self.prefetcher.pending or self.units[u].is_gathered:
+                continue
+            if not self.prefetcher.start(u):
+                break  # no buffer now (or nothing to fetch ahead): the rest on demand
 
     def _gather(self, unit: FlatUnit) -> None:
         if unit.is_gathered:
@@ -894,7 +900,7 @@ class Engine:
         if self.dtype == torch.float16:
             flag = torch.zeros(1, dtype=torch.float32)
             for st in self.states:
-                g = st.grad[: st.optimized_numel]
+                g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
                 if g.numel() and not torch.isfinite(g).all():
                     flag.fill_(1.0)
                     break
@@ -907,7 +913,8 @@ class Engine:
         elif clip > 0.0:
             sq = torch.zeros(1, dtype=torch.float64)
             for st in self.states:
-                g = st.grad[: st.optimized_numel]
+                # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
+                g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
                 if g.numel():
                     sq += torch.dot(g, g).double()
             total = math.sqrt(self._all_reduce(sq, "sum").item()) * unscale

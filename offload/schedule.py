@@ -104,6 +104,11 @@ class Schedule:
         return False
 
     @property
+    def diverged(self) -> bool:
+        """This iteration had a trace and left it."""
+        return self.active and self.off_trace and self.trace is not None
+
+    @property
     def following(self) -> bool:
         """The iteration is following its trace (prefetching and keeping are on)."""
         return self.active and not self.off_trace
