@@ -12,6 +12,8 @@ Contenders (same GPT model and batches, one training step per sample, interleave
 - engine_nvme_opt: the same with offload.optimizer_tier='nvme' (master + moments in a swap
              file under --nvme-path, streamed through the pinned pool each step)
 - engine_nvme_all: parameters on NVMe too (offload.param_tier='nvme')
+- engine_nvme_all_nopf (with --compare-prefetch): the same with prefetch, kept units and
+             the optimizer in backward all off (every fetch on demand, the update in step())
 - fsdp2:     torch.distributed.fsdp.fully_shard per block + root, CPUOffloadPolicy,
              torch.optim.AdamW over the sharded params
 - deepspeed: deepspeed.initialize, ZeRO stage 3, offload_param + offload_optimizer to cpu
@@ -22,6 +24,14 @@ For the NVMe contenders the table adds the bytes moved per step (engine.io_stats
 disk bandwidth that amounts to over the step time, the time the step waited for I/O, and
 that bandwidth as a share of the disk's sequential peak, measured in the same run with
 offload.io (one large O_DIRECT write and read of a file under --nvme-path).
+
+For every engine contender it adds what `engine.step_stats()` measured (offload/timeline.py):
+stall_ms (compute waiting for a shard's read/copy, for collectives, and for optimizer-state
+I/O), stall_pct of the step, opt_overlap_pct (share of the optimizer's time that ran during
+backward) and, for NVMe, io_hidden_pct (1 - exposed I/O wait / the time the step's bytes
+take at the disk's measured peak: how much of the transfer time the schedule hid behind
+compute). --timeline PREFIX writes each engine contender's last step as a Chrome/Perfetto
+trace, PREFIX-<contender>.json.
 
     python benchmarks/bench_train.py --quick
     python benchmarks/bench_train.py --layers 8 --d-model 512 --seq 256 --batch 8
@@ -157,6 +167,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     memory: dict[str, dict] = {}
     io: dict[str, dict] = {}
     """name -> {"stats": engine.io_stats, "per_step": [(bytes, wait_s), ...]} for NVMe."""
+    sched: dict[str, list[dict]] = {}
+    """name -> engine.step_stats() of every measured step, for engine contenders."""
     x, y = batch
     lr = 1e-4
 
@@ -190,6 +202,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         xd, yd = x.to(device), y.to(device)
 
         def step():
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -198,9 +212,13 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]), "host": 0}
         return fn, mem
 
-    def engine_setup(param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine"):
+    def engine_setup(
+        param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True
+    ):
         import offload
-        from offload.config import AIOConfig, Config, OffloadConfig, OptimizerConfig, PrecisionConfig
+        from offload.config import (
+            AIOConfig, Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig, TimelineConfig,
+        )
 
         nvme = "nvme" in (param_tier, optimizer_tier)
         path = os.path.join(args.nvme_path, name) if nvme else None
@@ -215,20 +233,28 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
                 pinned_budget_bytes=args.pinned_budget_mb << 20,
             ),
             aio=AIOConfig(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.io_threads),
+            gradient_clipping=args.clip,
+            prefetch=(
+                PrefetchConfig(prefetch_bytes=args.prefetch_mb << 20, keep_bytes=args.keep_mb << 20)
+                if prefetch else PrefetchConfig(prefetch_bytes=0, keep_bytes=0, optimizer_in_backward=False)
+            ),
+            timeline=TimelineConfig(enabled=bool(args.timeline)),
         )
         engine = offload.initialize(make_model(), cfg)
+        engine.bench_name = name
         engines.append(engine)
         step_fn = timed_step(lambda: engine(x, y), engine.backward, engine.step)
-        if not nvme:
-            return step_fn, engine.memory_bytes
-        rec = io[name] = {"per_step": []}
+        rec = io[name] = {"per_step": []} if nvme else None
+        steps = sched[name] = []
 
         def fn() -> float:
             a = engine.io_stats()
             t = step_fn()
             b = engine.io_stats()
-            moved = b["bytes_read"] - a["bytes_read"] + b["bytes_written"] - a["bytes_written"]
-            rec["per_step"].append((moved, b["wait_s"] - a["wait_s"]))
+            steps.append(engine.step_stats())
+            if rec is not None:
+                moved = b["bytes_read"] - a["bytes_read"] + b["bytes_written"] - a["bytes_written"]
+                rec["per_step"].append((moved, b["wait_s"] - a["wait_s"]))
             return t
 
         return fn, engine.memory_bytes
@@ -245,6 +271,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         opt = torch.optim.AdamW(m.parameters(), lr=lr, foreach=True)
 
         def step():
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -287,6 +315,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             "bf16": {"enabled": args.dtype == "bf16"},
             "fp16": {"enabled": args.dtype == "fp16"},
             "wall_clock_breakdown": False,
+            "gradient_clipping": args.clip,
         }
         eng, *_ = deepspeed.initialize(model=make_model(), model_parameters=None, config=ds_cfg)
         eng.optimizer  # noqa: B018
@@ -299,6 +328,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     if not args.no_nvme:
         add("engine_nvme_opt", lambda: engine_setup("cpu", "nvme", "engine_nvme_opt"))
         add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
+        if args.compare_prefetch:
+            add("engine_nvme_all_nopf", lambda: engine_setup("nvme", "nvme", "engine_nvme_all_nopf", prefetch=False))
     if not args.no_fsdp2:
         add("fsdp2", fsdp2_setup)
     if not args.no_deepspeed:
@@ -306,8 +337,11 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         if not args.no_nvme:
             add("deepspeed_nvme", lambda: deepspeed_setup(nvme=True))
     for rec in io.values():
-        rec["per_step"].clear()  # the warm-up step is not a sample
-    return contenders, memory, io, engines
+        if rec is not None:
+            rec["per_step"].clear()  # the warm-up step is not a sample
+    for steps in sched.values():
+        steps.clear()
+    return contenders, memory, {k: v for k, v in io.items() if v is not None}, engines, sched
 
 
 def main() -> None:
@@ -332,6 +366,14 @@ def main() -> None:
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--peak-mb", type=int, default=None, help="file size for the disk peak (MiB)")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="gradient clipping (every contender); > 0 defers the engine's update to step()")
+    p.add_argument("--prefetch-mb", type=int, default=256, help="prefetch.prefetch_bytes in MiB")
+    p.add_argument("--keep-mb", type=int, default=256, help="prefetch.keep_bytes in MiB")
+    p.add_argument("--compare-prefetch", action="store_true",
+                   help="add engine_nvme_all_nopf: NVMe tiers with prefetch/keep/optimizer-in-backward off")
+    p.add_argument("--timeline", default=None, metavar="PREFIX",
+                   help="record the engines' timelines; write PREFIX-<contender>.json (Chrome trace)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.d_model, args.heads, args.vocab, args.seq, args.batch = 2, 256, 4, 4096, 128, 4
@@ -363,7 +405,7 @@ def main() -> None:
     adam_impl = getattr(functional.adam_step_flat, "__name__", "?")
     print(f"engine's Adam: offload.optim.adam_step_flat -> {adam_impl}")
 
-    contenders, memory, io, engines = build_contenders(args, make_model, batch, device)
+    contenders, memory, io, engines, sched = build_contenders(args, make_model, batch, device)
     peak = None
     if io:
         peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
@@ -388,17 +430,36 @@ def main() -> None:
             "io_MB_per_step": None,
             "io_wait_ms": None,
             "disk_GBps": None,
+            "stall_ms": None,
+            "stall_pct": None,
+            "opt_overlap_pct": None,
+            "io_hidden_pct": None,
         }
         if name in io and io[name]["per_step"]:
             moved = statistics.median(m for m, _ in io[name]["per_step"])
             wait = statistics.median(w for _, w in io[name]["per_step"])
             row.update(io_MB_per_step=moved / 2**20, io_wait_ms=wait * 1e3, disk_GBps=moved / t / 1e9)
+        if sched.get(name):
+            st = [s for s in sched[name] if s is not None]
+            stall = statistics.median(s["stall_s"] for s in st)
+            row.update(
+                stall_ms=stall * 1e3,
+                stall_pct=100.0 * statistics.median(s["stall_fraction"] for s in st),
+                opt_overlap_pct=100.0 * statistics.median(
+                    s["optimizer_in_backward_s"] / s["optimizer_s"] if s["optimizer_s"] else 0.0 for s in st
+                ),
+            )
+            if name in io and io[name]["per_step"] and peak:
+                serial = moved / (1e9 * 0.5 * (peak["read_GBps"] + peak["write_GBps"]))
+                exposed = statistics.median(s["fetch_wait_s"] + s["optimizer_io_s"] for s in st)
+                row["io_hidden_pct"] = max(0.0, 100.0 * (1.0 - exposed / serial)) if serial > 0 else None
         row.update(
             vs_engine=ratio(t, med.get("engine", float("nan"))),
             vs_torch=ratio(t, med.get("torch", float("nan"))),
             vs_fsdp2=ratio(t, med.get("fsdp2", float("nan"))),
             vs_deepspeed=ratio(t, med.get("deepspeed", float("nan"))),
             vs_deepspeed_nvme=ratio(t, med.get("deepspeed_nvme", float("nan"))),
+            vs_nvme_nopf=ratio(t, med.get("engine_nvme_all_nopf", float("nan"))),
             pct_of_disk_peak=(
                 100.0 * row["disk_GBps"] / (0.5 * (peak["read_GBps"] + peak["write_GBps"]))
                 if row["disk_GBps"] is not None and peak else None
@@ -408,7 +469,15 @@ def main() -> None:
     print("step time ratios: >1 = slower than the peer; memory: state the contender holds "
           "(params, grads, optimizer; engine: memory_bytes()); disk_GBps: bytes the NVMe tiers "
           "moved per step / step time; pct_of_disk_peak: of the mean of read and write peak")
+    print("stall: compute waiting for shards, collectives and optimizer I/O (engine.step_stats()); "
+          "opt_overlap_pct: optimizer time that ran during backward; io_hidden_pct: 1 - exposed "
+          "I/O wait / (bytes moved at the disk's peak)")
     print_table(rows)
+    if args.timeline:
+        for e in engines:
+            path = f"{args.timeline}-{e.bench_name}.json"
+            e.timeline.write(path)
+            print(f"timeline of {e.bench_name}'s last {len(e.timeline.steps)} steps: {path}")
     for e in engines:
         e.close()  # the engine's swap files go
     # DeepSpeed leaves its swap files behind: remove the directory this script made for it.

@@ -668,6 +668,7 @@ class Engine:
         if unit.index != ROOT:
             unit.free()
         if self._opt_in_backward and st.grad.numel():
+            self.prefetcher.drop(unit.index)
             self._update_in_backward(unit)
 
     # -- prefetch, optimizer in backward (offload/schedule.py, docs/prefetch.md) ----------------
@@ -692,6 +693,15 @@ class Engine:
         if following:
             self._prefetch_ahead()
         self._compute_t0[unit.index] = now()
+
+    def _prefetch_next_iteration(self) -> None:
+        """Between iterations (after a step, or between micro-batches): start fetching the
+        first units the next forward will need, the root first."""
+        for u in self.schedule.next_iteration():
+            if u in self.prefetcher.pending or self.units[u].is_gathered:
+                continue
+            if not self.prefetcher.start(u):
+                break
 
     def _prefetch_ahead(self) -> None:
         """Start fetching the units the trace needs next, within the prefetch budget."""
@@ -785,6 +795,7 @@ class Engine:
         self._updated.add(unit.index)
         self._pass_updates += 1
         tl.count("optimizer", t1 - t0)
+        tl.count("optimizer_in_backward", t1 - t0)
         if self.nvme is not None:
             tl.count("optimizer_io", self.nvme.stats.wait_s - io0)
         if tl.current is not None:
@@ -814,6 +825,8 @@ class Engine:
             self._tracks[unit.index] = _Track()
         self.units[ROOT].free()
         self._in_backward = False
+        if not self.is_gradient_accumulation_boundary():
+            self._prefetch_next_iteration()  # the next micro-batch sees the same shards
 
     def _abort_backward(self) -> None:
         self.schedule.end()
@@ -889,6 +902,7 @@ class Engine:
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
+        self.prefetcher.drop()  # shards are about to change
         for unit in self.units:
             unit.free()  # anything still gathered (kept by a forward without backward) goes stale
         skip = self._updated
@@ -940,6 +954,7 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.optimizer.zero_grad()
+        self._prefetch_next_iteration()
         self.timeline.end_step()
 
     def _check_hyperparameters(self) -> None:

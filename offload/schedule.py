@@ -133,6 +133,26 @@ class Schedule:
             out.append(unit)
         return out
 
+    def next_iteration(self) -> list[int]:
+        """The first units of the last ended iteration's trace (pinned ones included: the
+        root starts every iteration), within the prefetch budget: fetched ahead at the end
+        of a step, under the gap before the next forward."""
+        trace = self._traces.get(self.kind)
+        if self.active or trace is None or self.prefetch_bytes <= 0:
+            return []
+        out: list[int] = []
+        total = 0
+        for unit, phase in trace:
+            if phase != "f":
+                break
+            if unit in out:
+                continue
+            total += self.full_bytes[unit]
+            if total > self.prefetch_bytes:
+                break
+            out.append(unit)
+        return out
+
     def next_uses(self, phase: str, limit: int) -> list[int]:
         """The next `limit` distinct units the trace uses in `phase` from the cursor on."""
         if not self.following:

@@ -66,6 +66,8 @@ class StepStats:
     """The engine's thread waiting for optimizer-state I/O (NVMe)."""
     optimizer_s: float = 0.0
     """Time spent in optimizer updates (during backward and in `step()`)."""
+    optimizer_in_backward_s: float = 0.0
+    """The part of `optimizer_s` that ran during backward (overlapping it)."""
     optimizer_in_backward_units: int = 0
     """Units whose update ran during backward (optimizer overlapped with backward)."""
     prefetched: int = 0
@@ -90,6 +92,7 @@ class StepStats:
             "collective_s": self.collective_s,
             "optimizer_io_s": self.optimizer_io_s,
             "optimizer_s": self.optimizer_s,
+            "optimizer_in_backward_s": self.optimizer_in_backward_s,
             "optimizer_in_backward_units": self.optimizer_in_backward_units,
             "prefetched": self.prefetched,
             "on_demand": self.on_demand,
