@@ -26,8 +26,8 @@ that bandwidth as a share of the disk's sequential peak, measured in the same ru
 offload.io (one large O_DIRECT write and read of a file under --nvme-path).
 
 For every engine contender it adds what `engine.step_stats()` measured (offload/timeline.py):
-stall_ms (compute waiting for a shard's read/copy, for collectives, and for optimizer-state
-I/O), stall_pct of the step, opt_overlap_pct (share of the optimizer's time that ran during
+stall_ms (the engine's thread blocked on NVMe I/O of any kind, on host-to-device copies,
+and in collectives), stall_pct of the step, opt_overlap_pct (share of the optimizer's time that ran during
 backward) and, for NVMe, io_hidden_pct (1 - exposed I/O wait / the time the step's bytes
 take at the disk's measured peak: how much of the transfer time the schedule hid behind
 compute). --timeline PREFIX writes each engine contender's last step as a Chrome/Perfetto
@@ -451,7 +451,7 @@ def main() -> None:
             )
             if name in io and io[name]["per_step"] and peak:
                 serial = moved / (1e9 * 0.5 * (peak["read_GBps"] + peak["write_GBps"]))
-                exposed = statistics.median(s["fetch_wait_s"] + s["optimizer_io_s"] for s in st)
+                exposed = statistics.median(s["io_wait_s"] for s in st)
                 row["io_hidden_pct"] = max(0.0, 100.0 * (1.0 - exposed / serial)) if serial > 0 else None
         row.update(
             vs_engine=ratio(t, med.get("engine", float("nan"))),
@@ -469,7 +469,7 @@ def main() -> None:
     print("step time ratios: >1 = slower than the peer; memory: state the contender holds "
           "(params, grads, optimizer; engine: memory_bytes()); disk_GBps: bytes the NVMe tiers "
           "moved per step / step time; pct_of_disk_peak: of the mean of read and write peak")
-    print("stall: compute waiting for shards, collectives and optimizer I/O (engine.step_stats()); "
+    print("stall: the engine's thread blocked on I/O, copies and collectives (engine.step_stats()); "
           "opt_overlap_pct: optimizer time that ran during backward; io_hidden_pct: 1 - exposed "
           "I/O wait / (bytes moved at the disk's peak)")
     print_table(rows)

@@ -231,6 +231,8 @@ class Engine:
         )
         self.prefetcher = Prefetcher(self.units, self.param_tier, self.timeline)
         if self.nvme is not None:
+            stats = self.nvme.stats
+            self.timeline.io_wait_clock = lambda: stats.wait_s
             # A prefetch holds pooled buffers; a buffer needed now takes precedence.
             self.nvme.staging.reclaimers.append(self.prefetcher.reclaim)
             reclaim = getattr(self.optimizer_states, "reclaim", None)
@@ -631,8 +633,9 @@ class Engine:
         self._use(unit, "b")
         self._tracks[unit.index].in_backward = True
         if self._opt_in_backward and self.optimizer_states.kind == "nvme":
-            # This unit's state, and the next one's, are read while its backward computes.
-            self.optimizer.prefetch_units([unit.index] + self.schedule.next_uses("b", 1))
+            # This unit's state, and the next two's, are read while its backward computes
+            # (as far as the pinned pool has room without waiting).
+            self.optimizer.prefetch_units([unit.index] + self.schedule.next_uses("b", 2))
 
     def _post_backward(self, unit: FlatUnit) -> None:
         track = self._tracks[unit.index]
@@ -686,7 +689,7 @@ class Engine:
         if following:
             self.prefetcher.poll()
         elif self.schedule.diverged:
-            self.prefetcher.drop()  # off trace: what was fetched ahead may not be used
+            self.prefetcher.drop(keep_fresh=True)  # off trace: what was fetched ahead may go unused
             if self.timeline.current is not None:
                 self.timeline.current.off_trace = True
         self._gather(unit)
@@ -735,6 +738,8 @@ class Engine:
                     filled = True
                 t1 = now()
                 tl.count("fetch_wait", t1 - t0)
+                if filled:
+                    tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
                 if tl.enabled:
                     kind = "read" if local is not None else "copy"
                     tl.add(f"{kind} {unit.name or '<root>'}", kind, "io", entry.started,
@@ -766,6 +771,9 @@ class Engine:
             and self.scaler.scale == 1.0
             and self.is_gradient_accumulation_boundary()
         )
+        if self._opt_in_backward:
+            # The last units updated are the next forward's first: keep their new shards.
+            self.prefetcher.write_through = frozenset(self.schedule.next_iteration())
 
     def _hyperparameters(self) -> list[tuple]:
         return [
@@ -816,7 +824,7 @@ class Engine:
         if not self._in_backward and not any(t.pending for t in self._tracks):
             return
         self.schedule.end()
-        self.prefetcher.drop()
+        self.prefetcher.drop(keep_fresh=True)
         for unit in reversed(self.units):
             if self._tracks[unit.index].pending:
                 self._reduce(unit)
@@ -902,7 +910,8 @@ class Engine:
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
-        self.prefetcher.drop()  # shards are about to change
+        self.prefetcher.drop(keep_fresh=True)  # shards are about to change (fresh: already did)
+        self.prefetcher.write_through = frozenset(self.schedule.next_iteration())
         for unit in self.units:
             unit.free()  # anything still gathered (kept by a forward without backward) goes stale
         skip = self._updated

@@ -138,7 +138,7 @@ class Schedule:
         root starts every iteration), within the prefetch budget: fetched ahead at the end
         of a step, under the gap before the next forward."""
         trace = self._traces.get(self.kind)
-        if self.active or trace is None or self.prefetch_bytes <= 0:
+        if trace is None or self.prefetch_bytes <= 0:
             return []
         out: list[int] = []
         total = 0
@@ -213,11 +213,15 @@ class Prefetcher:
         self.tier = tier
         self.timeline = timeline
         self.pending: dict[int, Any] = {}
+        self.write_through: frozenset[int] = frozenset()
+        """Units whose next store is kept as a ready entry (the next iteration's first)."""
         self._stream: Any = None
         device = units[0].device if units else torch.device("cpu")
         self.mode = "none"
+        self._unit_of = {u.key: u.index for u in units}
         if tier.kind == "nvme":
             self.mode = "nvme"
+            tier.store_listeners.append(self._on_store)
         elif tier.kind == "host" and device.type == "cuda":
             self.mode = "cuda_copy"
             self._stream = torch.cuda.Stream(device)
@@ -261,12 +265,31 @@ class Prefetcher:
         entry = self.tier.read_ahead(self.units[index].key, block=True)
         return _Entry(entry, now())
 
-    def drop(self, index: Optional[int] = None) -> None:
-        """Forget fetches started ahead (all, or unit `index`'s), giving buffers back."""
+    def drop(self, index: Optional[int] = None, keep_fresh: bool = False) -> None:
+        """Forget fetches started ahead (all, or unit `index`'s), giving buffers back.
+        `keep_fresh`: keep entries made from a store of this step (`_on_store`), which stay
+        valid until the unit's shard is stored again."""
         for i in list(self.pending) if index is None else [index]:
-            e = self.pending.pop(i, None)
-            if e is not None:
-                e.drop()
+            e = self.pending.get(i)
+            if e is None or (keep_fresh and e.fresh):
+                continue
+            del self.pending[i]
+            e.drop()
+
+    def _on_store(self, key: Any, src: torch.Tensor) -> None:
+        """The tier stored a new shard: any copy of the old one is stale; for a unit the
+        next iteration starts with, keep the new bytes as a ready entry."""
+        index = self._unit_of.get(key)
+        if index is None:
+            return
+        self.drop(index)
+        if index in self.write_through and src.device.type == "cpu":
+            what = self.tier.hold_copy(key, src)
+            if what is not None:
+                entry = _Entry(what, now())
+                entry.fresh = True
+                entry.done_at = entry.started
+                self.pending[index] = entry
 
     def reclaim(self) -> bool:
         """`Staging.reclaimers` hook: drop every NVMe fetch in flight; True if any was."""
@@ -280,12 +303,13 @@ class _Entry:
     """One fetch in flight: `what` is a `ReadAhead` (NVMe) or a `_CudaCopy`; `started` is
     when it was issued (the timeline's read/copy span begins there)."""
 
-    __slots__ = ("what", "started", "done_at")
+    __slots__ = ("what", "started", "done_at", "fresh")
 
     def __init__(self, what: Any, started: float) -> None:
         self.what = what
         self.started = started
         self.done_at: Optional[float] = None
+        self.fresh = False
 
     def done(self) -> bool:
         pending = getattr(self.what, "pending", None)

@@ -183,6 +183,9 @@ class NVMeTier(Tier):
             sizes.append(int(numel) * _itemsize(dtype))
         self._swap = context.directory.create(name, sizes)
         self._last_write: list[Optional[Pending]] = [None] * len(sizes)
+        self.store_listeners: list[Any] = []
+        """Called as fn(key, src) after every `store` (the prefetcher: a copy it holds of
+        that shard is now stale, or it keeps the new bytes for the next iteration)."""
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +290,27 @@ class NVMeTier(Tier):
         ctx.stats.bytes_written += slot.nbytes
         self._swap.mark_written(i)
         self._last_write[i] = handle
+        for listener in self.store_listeners:
+            listener(key, src)
         return handle
+
+    def slot_bytes(self, key: Hashable) -> int:
+        return self._swap.slots[self._slot(key)].nbytes
+
+    def hold_copy(self, key: Hashable, src: torch.Tensor) -> Optional["ReadAhead"]:
+        """A pooled copy of `src` (the bytes just stored under `key`) in the form of a
+        completed read-ahead, or None when the pool has no free buffer: the next
+        iteration's first units are taken from it instead of waiting for their write and
+        reading them back."""
+        i = self._slot(key)
+        ctx = self._ctx
+        buf = ctx.staging.try_acquire(self._swap.slots[i].nbytes)
+        if buf is None:
+            return None
+        numel, dtype = self._spec[i]
+        local = buf[: numel * _itemsize(dtype)].view(dtype)
+        local.copy_(src.reshape(-1))
+        return ReadAhead(Pending([]), local, lambda: ctx.staging.release(buf))
 
     def free(self, key: Hashable) -> None:
         i = self._slot(key)

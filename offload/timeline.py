@@ -31,9 +31,9 @@ __all__ = ["Span", "StepStats", "Timeline", "now"]
 now = time.perf_counter
 """The clock every span and stall uses (seconds, monotonic)."""
 
-STALL_KINDS = ("fetch_wait", "collective", "optimizer_io")
-"""What counts as stall: compute waiting for a shard's bytes, for a collective, and the
-engine's thread waiting for optimizer-state I/O inside `step()`."""
+STALL_KINDS = ("io_wait", "copy_wait", "collective")
+"""What counts as stall: the engine's thread blocked on NVMe I/O (shard reads, optimizer
+state, slot ordering, staging), on a host-to-device copy, and in collectives."""
 
 
 @dataclass
@@ -58,12 +58,19 @@ class StepStats:
     """The engine's `global_steps + skipped_steps` when the step began (0-based)."""
     step_s: float = 0.0
     """From the first unit's forward to the end of `engine.step()`."""
-    fetch_wait_s: float = 0.0
-    """Compute thread blocked on a shard read/copy that prefetch had not finished."""
+    io_wait_s: float = 0.0
+    """The engine's thread blocked on NVMe I/O, wherever (every `Pending.wait` that had to
+    wait: shard reads, optimizer-state reads, a slot's earlier write, staging buffers)."""
+    copy_wait_s: float = 0.0
+    """Compute waiting for a prefetched host-to-device copy (CUDA)."""
     collective_s: float = 0.0
-    """Compute thread in all-gather / reduce-scatter / small all-reduces."""
+    """Compute thread in all-gather / reduce-scatter / small all-reduces (with their local
+    copies: at world size 1 the gather and the gradient copy into the shard)."""
+    fetch_wait_s: float = 0.0
+    """Of `io_wait_s` + `copy_wait_s`: the part spent in gathers (a shard prefetch had not
+    finished, or one fetched on demand)."""
     optimizer_io_s: float = 0.0
-    """The engine's thread waiting for optimizer-state I/O (NVMe)."""
+    """Of `io_wait_s`: the part spent inside optimizer updates (state reads and writes)."""
     optimizer_s: float = 0.0
     """Time spent in optimizer updates (during backward and in `step()`)."""
     optimizer_in_backward_s: float = 0.0
@@ -80,7 +87,7 @@ class StepStats:
 
     @property
     def stall_s(self) -> float:
-        return self.fetch_wait_s + self.collective_s + self.optimizer_io_s
+        return self.io_wait_s + self.copy_wait_s + self.collective_s
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -88,8 +95,10 @@ class StepStats:
             "step_s": self.step_s,
             "stall_s": self.stall_s,
             "stall_fraction": self.stall_s / self.step_s if self.step_s > 0 else 0.0,
-            "fetch_wait_s": self.fetch_wait_s,
+            "io_wait_s": self.io_wait_s,
+            "copy_wait_s": self.copy_wait_s,
             "collective_s": self.collective_s,
+            "fetch_wait_s": self.fetch_wait_s,
             "optimizer_io_s": self.optimizer_io_s,
             "optimizer_s": self.optimizer_s,
             "optimizer_in_backward_s": self.optimizer_in_backward_s,
@@ -131,6 +140,10 @@ class Timeline:
         self.current: Optional[StepStats] = None
         self._t0: Optional[float] = None
         self._lock = threading.Lock()
+        self.io_wait_clock: Any = None
+        """A callable returning the seconds spent blocked on I/O so far (the engine sets
+        it to its NVMe statistics); a step's `io_wait_s` is its difference."""
+        self._io0 = 0.0
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -139,6 +152,7 @@ class Timeline:
         if self.current is None:
             self.current = StepStats(step=step)
             self._t0 = now()
+            self._io0 = self.io_wait_clock() if self.io_wait_clock is not None else 0.0
         return self.current
 
     def end_step(self) -> Optional[StepStats]:
@@ -147,6 +161,8 @@ class Timeline:
         if cur is None:
             return None
         cur.step_s = now() - (self._t0 or now())
+        if self.io_wait_clock is not None:
+            cur.io_wait_s = self.io_wait_clock() - self._io0
         if self.enabled:
             cur.spans.append(Span("step", "step", "step", self._t0 or 0.0, self._t0 + cur.step_s))
         with self._lock:
