@@ -45,7 +45,9 @@ from offload.loss_scaler import LossScaler
 from offload.schedule import Prefetcher, Schedule
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
 from offload.io import align_up
-from offload.step import ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups
+from offload.step import (
+    ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups, transient_grad_shards,
+)
 from offload.tiers import ReadAhead, make_param_tier, wait
 from offload.timeline import Timeline, now
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
@@ -385,6 +387,7 @@ class Engine:
             and not on_nvme
         )
         mdtype = moments_dtype(self.config.optimizer.moments_dtype)
+        self._transient_grads = transient_grad_shards(self.config, self.device.type == "cuda")
         for index, (plan, layout, records) in enumerate(planned):
             shard_numel = layout.shard_numel
             # On NVMe the master exists in host memory only while the unit is initialized
@@ -405,14 +408,19 @@ class Engine:
             )
             trainable = any(r.param.requires_grad for r in records)
             n_opt = layout.shard_optimized_numel(self.rank)
+            grad_numel = shard_numel if trainable else 0
+            if self._transient_grads:
+                # Sized but holding no memory until its unit's reduce-scatter (and again none
+                # after the unit's update during backward): see transient_grad_shards.
+                grad = torch.empty(grad_numel, dtype=torch.float32)
+                _release(grad)
+            else:
+                # pinned on a GPU run: the reduce-scattered shard comes down by DMA
+                grad = torch.zeros(grad_numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
             state = UnitOptimizerState(
                 unit=unit,
                 master=master,
-                # pinned on a GPU run: the reduce-scattered shard comes down by DMA
-                grad=torch.zeros(
-                    shard_numel if trainable else 0, dtype=torch.float32,
-                    pin_memory=self.device.type == "cuda",
-                ),
+                grad=grad,
                 exp_avg=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
                 exp_avg_sq=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
                 slot_steps=[0] * len(layout.slots),
@@ -656,6 +664,8 @@ class Engine:
                     "accumulation boundary?); set prefetch.optimizer_in_backward=false for such "
                     "loops, or call engine.step() after each engine.backward()"
                 )
+            if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
+                _acquire(st.grad)
             have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
             st.grad_valid = True
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
@@ -802,6 +812,8 @@ class Engine:
         t1 = now()
         self._updated.add(unit.index)
         self._pass_updates += 1
+        if self._transient_grads:
+            _release(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
         tl.count("optimizer", t1 - t0)
         tl.count("optimizer_in_backward", t1 - t0)
         if self.nvme is not None:
@@ -1201,6 +1213,20 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _release(t: torch.Tensor) -> None:
+    """Give a tensor's memory back, keeping its size (a transient gradient shard)."""
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def _acquire(t: torch.Tensor) -> None:
+    """Memory for a released tensor again, zero-filled: alignment gaps between slots are
+    never written by the reduce and must read as zeros."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    t.zero_()
 
 
 def _module_by_name(model: nn.Module, name: str) -> nn.Module:

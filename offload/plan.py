@@ -43,7 +43,7 @@ from torch import nn
 
 from offload.config import Config, load_config
 from offload.shard import FROZEN_GROUP, UnitLayout, align_up, layout_unit
-from offload.step import moments_dtype, resolve_param_groups
+from offload.step import moments_dtype, resolve_param_groups, transient_grad_shards
 from offload.units import plan_units
 
 __all__ = ["Machine", "TierBytes", "PlacementEstimate", "Plan", "plan", "resolve_placement",
@@ -367,7 +367,8 @@ def _nvme(nbytes: int) -> int:
 
 
 def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: str, *,
-                p_bytes: int, m_bytes: int, on_gpu: bool, pinned_budget_bytes: int) -> TierBytes:
+                p_bytes: int, m_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
+                transient_grads: bool = False) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
     The engine's rules, unit by unit (offload/engine.py `_build_units`, offload/step.py):
@@ -375,7 +376,10 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
       of the unit is trainable; exp_avg and exp_avg_sq: the shard's optimized prefix, in
       the moments dtype. Host memory, or (optimizer on NVMe) master and moments in the
       swap file, each 4 KiB-aligned, while the gradient shard stays in host memory (it is
-      the reduce-scatter's target, accumulated over micro-batches).
+      the reduce-scatter's target, accumulated over micro-batches) — except when the
+      shards are transient (`offload.step.transient_grad_shards`: every update runs during
+      backward on a CPU run): then none is held between steps (one unit's during
+      backward, counted in the working set).
     - the parameter shard (compute dtype) in its tier; with fp32 compute and the shard in
       host memory (a CPU run, or param_tier cpu) it *is* the master: no second buffer.
     - gathered full buffers are freed between steps (at world size 1 with the shard on the
@@ -395,7 +399,7 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
         shard = layout.shard_numel
         opt = layout.shard_optimized_numel(rank)
         master_b, moments_b = shard * 4, opt * m_bytes
-        grad_b = shard * 4 if u.trainable else 0
+        grad_b = shard * 4 if u.trainable and not transient_grads else 0
         host += grad_b
         if optimizer_tier == "cpu":
             host += master_b + 2 * moments_b
@@ -605,8 +609,10 @@ def plan(
     estimates = []
     for pt, ot in placements:
         per_rank = TierBytes()
+        transient = transient_grad_shards(cfg, on_gpu)
         rank_list = [_rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, m_bytes=m_bytes, on_gpu=on_gpu,
-                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes)
+                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes,
+                                 transient_grads=transient)
                      for r in range(ws)]
         for rb in rank_list:
             per_rank = per_rank.max(rb)
@@ -617,6 +623,8 @@ def plan(
                 node = node + rb
             per_node = per_node.max(node)
         work = _working_bytes(spec, pt, p_bytes=p_bytes, on_gpu=on_gpu, world_size=ws)
+        if transient:  # the fp32 gradient shards of the units between reduce and update
+            work += 2 * max((u.layout.shard_numel * 4 for u in spec.units if u.trainable), default=0)
         disk = 0
         if "nvme" in (pt, ot):
             scale = p_bytes / 2  # the table is for a 2-byte compute dtype

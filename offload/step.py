@@ -74,6 +74,23 @@ class UnitOptimizerState:
         )
 
 
+def transient_grad_shards(config: Any, compute_on_gpu: bool) -> bool:
+    """Whether the engine keeps a unit's fp32 gradient shard only from its reduce-scatter to
+    its update during backward, instead of for the whole run (4 bytes per parameter of host
+    memory that a model larger than RAM cannot spare).
+
+    That needs every update to run during backward (docs/prefetch.md: the optimizer in
+    backward, no clipping, no fp16, one micro-batch per step) and a CPU run: on a GPU run
+    the shard is pinned memory, whose allocation is too slow to repeat every step."""
+    return (
+        not compute_on_gpu
+        and bool(config.prefetch.optimizer_in_backward)
+        and float(config.gradient_clipping) <= 0.0
+        and config.precision.dtype != "fp16"
+        and int(config.gradient_accumulation_steps) == 1
+    )
+
+
 class ShardedAdam(torch.optim.Optimizer):
     """Adam/AdamW over flat shards. Built by the engine; users touch `param_groups` (and
     schedulers do). `step(grad_scale=...)` is called by `engine.step()` at accumulation

@@ -195,9 +195,15 @@ def test_count_plan_bytes_per_parameter_match_the_design_numbers():
     # DESIGN.md: bf16 param 2 B, fp32 grad 4, master 4, moments 8 -> 18 B/param in host
     # memory with params on the host; padding adds < 0.1% at this size.
     n = 10**9
-    p = plan(n, machine=make_machine(gpus=0, cpu_mem="1TiB"), dtype="bf16")
+    cpu = make_machine(gpus=0, cpu_mem="1TiB")
+    p = plan(n, machine=cpu, dtype="bf16", config={"gradient_clipping": 1.0})
     host = p.estimate("cpu", "cpu").per_rank.host
     assert 18 * n <= host < 18 * n * 1.001
+    # Without clipping a CPU run updates each unit during backward and holds no fp32
+    # gradient shard between steps (offload.step.transient_grad_shards): 14 B/param.
+    p = plan(n, machine=cpu, dtype="bf16")
+    e = p.estimate("cpu", "cpu")
+    assert 14 * n <= e.per_rank.host < 14 * n * 1.001
     p = plan(n, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="1TiB"), dtype="bf16",
              moments="bf16", units=100)
     e = p.estimate("device", "cpu")
@@ -277,9 +283,10 @@ def test_reserve_is_held_back_from_the_gpu():
 def test_frozen_parameters_get_no_optimizer_state():
     m = make_machine(gpus=0, cpu_mem="1TiB")
     full = plan_mod._frozen_split_model(10**8, 10**8, 4)
+    clip = {"gradient_clipping": 1.0}  # gradient shards held between steps, as with a GPU
     lora = plan_mod._frozen_split_model(10**8, 10**6, 4)
-    a = plan(full, machine=m, dtype="bf16").estimate("cpu", "cpu")
-    b = plan(lora, machine=m, dtype="bf16").estimate("cpu", "cpu")
+    a = plan(full, machine=m, dtype="bf16", config=clip).estimate("cpu", "cpu")
+    b = plan(lora, machine=m, dtype="bf16", config=clip).estimate("cpu", "cpu")
     # trainable: shard 2 + master 4 + grad 4 + moments 8 = 18 B; frozen: 2 + 4 + 4 (the
     # unit has trainable parameters, so its gradient shard spans it) = 10 B.
     assert a.per_rank.host == pytest.approx(18 * 10**8, rel=1e-3)

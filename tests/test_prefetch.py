@@ -351,3 +351,21 @@ def test_changing_the_lr_between_backward_and_step_warns():
         warnings.simplefilter("error")  # unchanged now: no warning
         engine.step()
     engine.close()
+
+
+def test_gradient_shards_are_transient_when_every_update_runs_in_backward(tmp_path):
+    """A CPU run that updates every unit during backward holds no fp32 gradient shard
+    between steps (4 bytes per parameter less host memory); with clipping it must keep them
+    (the norm needs all), and both train the same as before (parity tests above)."""
+    held = {}
+    for mode in MODES:
+        m = build("gpt")
+        engine = offload.initialize(m, config(tmp_path, "cpu", "nvme", mode=mode))
+        for x, y in gpt_batches(2):
+            engine.backward(engine(x, y))
+            engine.step()
+        held[mode] = sum(st.grad.untyped_storage().nbytes() for st in engine.states)
+        shard_bytes = sum(st.grad.numel() * 4 for st in engine.states)
+        engine.close()
+    assert held["in_backward"] == 0
+    assert held["deferred"] == shard_bytes > 0
