@@ -665,7 +665,7 @@ class Engine:
                     "loops, or call engine.step() after each engine.backward()"
                 )
             if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
-                _acquire(st.grad)
+                _acquire(st.grad, unit.layout, self.rank, whole=self.world_size > 1 or st.grad_valid)
             have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
             st.grad_valid = True
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
@@ -1222,11 +1222,22 @@ def _release(t: torch.Tensor) -> None:
         storage.resize_(0)
 
 
-def _acquire(t: torch.Tensor) -> None:
-    """Memory for a released tensor again, zero-filled: alignment gaps between slots are
-    never written by the reduce and must read as zeros."""
+def _acquire(t: torch.Tensor, layout: Any, rank: int, whole: bool) -> None:
+    """Memory for a released gradient shard again. At world size 1 the reduce writes every
+    slot (a copy, or zeros for a parameter without gradient) but never the alignment gaps
+    between slots, which must read as zeros: only those are zeroed. `whole`: zero it all."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
-    t.zero_()
+    if whole:
+        t.zero_()
+        return
+    lo, hi = layout.shard_range(rank)
+    pos = lo
+    for slot in sorted(layout.slots, key=lambda s: s.offset):
+        if slot.offset > pos:
+            t[pos - lo : min(slot.offset, hi) - lo].zero_()
+        pos = max(pos, slot.end)
+    if pos < hi:
+        t[pos - lo :].zero_()
 
 
 def _module_by_name(model: nn.Module, name: str) -> nn.Module:
