@@ -93,12 +93,16 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInf
     _ALL_GATHER(full, shard, group=pg.group)
 
 
-def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, pg: ProcessGroupInfo) -> None:
-    """shard = mean over ranks of full[rank * n:(rank + 1) * n] (n = shard.numel())."""
+def reduce_scatter_mean(
+    shard: torch.Tensor, full: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False
+) -> Optional[dist.Work]:
+    """shard = mean over ranks of full[rank * n:(rank + 1) * n] (n = shard.numel()).
+    With `async_op` the collective is only issued: `wait()` the returned work before
+    reading `shard` (and keep `full` alive until then)."""
     if pg.world_size == 1:
         shard.copy_(full)
-        return
-    _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG, group=pg.group)
+        return None
+    return _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG, group=pg.group, async_op=async_op)
 
 
 def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:

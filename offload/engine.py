@@ -241,6 +241,8 @@ class Engine:
             if reclaim is not None:
                 self.nvme.staging.reclaimers.append(reclaim)
         self._compute_t0 = [0.0] * len(self.units)
+        self._reduces: list[tuple[FlatUnit, Any, float]] = []
+        """Gradient reduce-scatters issued, not yet completed (`_complete_reduces`)."""
         self._opt_in_backward = False
         self._pass_updates = 0
         self._updated: set[int] = set()
@@ -652,8 +654,10 @@ class Engine:
             self._reduce(unit)
 
     def _reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter the unit's gradients into its host shard and free it; with the
-        optimizer in backward, update the unit now."""
+        """Reduce-scatter the unit's gradients into its host shard and free it. With more
+        than one rank the collective is only issued here and completed at the next unit's
+        reduce (or at the end of backward), so it runs under the backward of the unit
+        before; then, with the optimizer in backward, the unit is updated."""
         st = self.states[unit.index]
         t0 = now()
         if st.grad.numel():
@@ -666,9 +670,10 @@ class Engine:
                 )
             if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
                 _acquire(st.grad, unit.layout, self.rank, whole=self.world_size > 1 or st.grad_valid)
-            have = unit.reduce_scatter_grads(st.grad, accumulate=st.grad_valid)
+            red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid)
             st.grad_valid = True
-            st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, have)]
+            st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
+            self._reduces.append((unit, red, t0))
         t1 = now()
         tl = self.timeline
         tl.count("collective", t1 - t0)
@@ -676,13 +681,26 @@ class Engine:
             name = unit.name or "<root>"
             if self._tracks[unit.index].in_backward:
                 tl.add(f"bwd {name}", "compute", "compute", self._compute_t0[unit.index], t0, unit.index)
-            tl.add(f"reduce {name}", "reduce", "compute", t0, t1, unit.index)
+            tl.add(f"reduce-issue {name}", "reduce", "compute", t0, t1, unit.index)
         self._tracks[unit.index] = _Track()
         if unit.index != ROOT:
             unit.free()
-        if self._opt_in_backward and st.grad.numel():
-            self.prefetcher.drop(unit.index)
-            self._update_in_backward(unit)
+        self._complete_reduces(keep=1 if self.world_size > 1 else 0)
+
+    def _complete_reduces(self, keep: int) -> None:
+        """Complete the reduce-scatters in flight but the newest `keep`, oldest first (every
+        rank completes them at the same points), updating each unit when the optimizer runs
+        in backward."""
+        while len(self._reduces) > keep:
+            unit, red, issued = self._reduces.pop(0)
+            t0 = now()
+            red.wait()
+            t1 = now()
+            self.timeline.count("collective", t1 - t0)
+            self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)
+            if self._opt_in_backward:
+                self.prefetcher.drop(unit.index)
+                self._update_in_backward(unit)
 
     # -- prefetch, optimizer in backward (offload/schedule.py, docs/prefetch.md) ----------------
 
@@ -843,6 +861,7 @@ class Engine:
             elif unit.index != ROOT:
                 unit.free()
             self._tracks[unit.index] = _Track()
+        self._complete_reduces(keep=0)
         self.units[ROOT].free()
         self._in_backward = False
         if not self.is_gradient_accumulation_boundary():
@@ -851,6 +870,12 @@ class Engine:
     def _abort_backward(self) -> None:
         self.schedule.end()
         self.prefetcher.drop()
+        for _, red, _ in self._reduces:  # issued collectives complete on every rank
+            try:
+                red.wait()
+            except Exception:  # noqa: BLE001 - the backward's own error is what is raised
+                pass
+        self._reduces = []
         if self._in_backward and self._pass_updates:
             import warnings
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -301,6 +301,28 @@ class FlatUnit:
 
     # -- gradients ------------------------------------------------------------------------
 
+    def start_reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool) -> "GradReduce":
+        """Issue the reduce-scatter of this unit's gradients into `grad_shard` and return
+        at once (world size > 1): the collective runs while backward goes on to earlier
+        units; `GradReduce.wait()` completes it (and adds into the shard when
+        `accumulate`). The unit's full gradients are dropped here, so the unit can be freed
+        right away. At world size 1 it completes before returning."""
+        if self.pg.world_size == 1:
+            return GradReduce(self.reduce_scatter_grads(grad_shard, accumulate))
+        params = self.params
+        have = [p.grad is not None for p in params]
+        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
+        for p, s, h in zip(params, self.layout.slots, have):
+            if h:
+                flat[s.offset : s.end].copy_(p.grad.reshape(-1))
+                p.grad = None
+        direct = not accumulate and grad_shard.device == self._coll_device
+        out = grad_shard if direct else torch.empty(
+            self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
+        )
+        work = _dist.reduce_scatter_mean(out, flat, self.pg, async_op=True)
+        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate))
+
     def reduce_scatter_grads(self, grad_shard: torch.Tensor, accumulate: bool) -> list[bool]:
         """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, the
         rank's shard, host), adding to it when `accumulate`; drop the full gradients.
@@ -345,6 +367,31 @@ class FlatUnit:
         if self.aliased:
             return 0
         return self.full.untyped_storage().nbytes()
+
+
+class GradReduce:
+    """A unit's gradient reduce-scatter in flight (see `FlatUnit.start_reduce_scatter`).
+    `have[i]`: slot i had a local gradient. `wait()` is idempotent."""
+
+    __slots__ = ("have", "_work", "_flat", "_finish")
+
+    def __init__(self, have: list[bool], work: Any = None, flat: Any = None, finish: Any = None) -> None:
+        self.have = have
+        self._work = work
+        self._flat = flat  # the collective's input: alive until it completes
+        self._finish = finish
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        self._flat = None
+        if self._finish is not None:
+            (out, grad_shard, accumulate), self._finish = self._finish, None
+            if accumulate:
+                grad_shard.add_(out.to(grad_shard.device))
+            else:
+                grad_shard.copy_(out)
 
 
 def _free_storage(t: torch.Tensor) -> None:

@@ -220,6 +220,31 @@ def _ws2(rank: int, world_size: int, path: str) -> dict[str, Any]:
     return out
 
 
+def _ws2_overlap(rank: int, world_size: int, path: str) -> list[tuple[str, str, float, float]]:
+    cfg = config(path, "nvme", "nvme", timeline=TimelineConfig(enabled=True))
+    m = build("gpt")
+    engine = offload.initialize(m, cfg)
+    for x, y in gpt_batches(3):
+        n = x.shape[0] // world_size
+        engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
+        engine.step()
+    spans = [(s.cat, s.name, s.start, s.end) for s in engine.timeline.last.spans]
+    engine.close()
+    return spans
+
+
+def test_gradient_reduce_overlaps_the_backward_of_the_unit_before(tmp_path):
+    """World size 2: unit k's reduce-scatter is issued when its backward ends and completes
+    only after unit k-1's backward began (gloo runs it meanwhile); the update follows."""
+    for spans in run_distributed(_ws2_overlap, 2, str(tmp_path)):
+        by = {(c, n): (a, b) for c, n, a, b in spans}
+        for k, prev in (("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")):
+            issued, done = by[("reduce", f"reduce {k}")]
+            bwd_prev_start = by[("compute", f"bwd {prev}")][0]
+            assert issued < bwd_prev_start < done, (k, issued, bwd_prev_start, done)
+            assert by[("optimizer", f"adam {k}")][0] >= done
+
+
 def test_world_size_2_with_prefetch_matches_adamw(tmp_path, scheduled_off):
     r0, r1 = run_distributed(_ws2, 2, str(tmp_path))
     for mode in MODES:
