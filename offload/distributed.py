@@ -84,13 +84,16 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
     )
 
 
-def all_gather_into(full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInfo) -> None:
-    """full[r * n:(r + 1) * n] = shard of rank r, for every rank (n = shard.numel())."""
+def all_gather_into(
+    full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False
+) -> Optional[dist.Work]:
+    """full[r * n:(r + 1) * n] = shard of rank r, for every rank (n = shard.numel()).
+    With `async_op` (world size > 1) the collective is only issued: `wait()` the work."""
     if pg.world_size == 1:
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
-        return
-    _ALL_GATHER(full, shard, group=pg.group)
+        return None
+    return _ALL_GATHER(full, shard, group=pg.group, async_op=async_op)
 
 
 def reduce_scatter_mean(

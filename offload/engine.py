@@ -242,6 +242,7 @@ class Engine:
                 self.nvme.staging.reclaimers.append(reclaim)
         self._compute_t0 = [0.0] * len(self.units)
         self._reduces: list[tuple[FlatUnit, Any, float]] = []
+        self._gather_issued: dict[int, float] = {}
         """Gradient reduce-scatters issued, not yet completed (`_complete_reduces`)."""
         self._opt_in_backward = False
         self._pass_updates = 0
@@ -628,6 +629,7 @@ class Engine:
                 unit.free()  # else kept: the trace says its backward comes soon
                 if self.schedule.following:
                     self._prefetch_ahead()  # it may be the next one needed
+                    self._gather_next()
         elif not tensors:
             # A forward that backward will never visit (eval, no_grad): release everything.
             self._tracks[ROOT].pending = False
@@ -723,6 +725,7 @@ class Engine:
         self._gather(unit)
         if following:
             self._prefetch_ahead()
+            self._gather_next()
         self._compute_t0[unit.index] = now()
 
     def _prefetch_next_iteration(self) -> None:
@@ -742,10 +745,59 @@ class Engine:
             if not self.prefetcher.start(u):
                 break  # no buffer now (or nothing to fetch ahead): the rest on demand
 
+    def _gather_next(self) -> None:
+        """Issue the all-gather of the next unit on the trace now (world size > 1), so it
+        runs under this unit's compute. Every rank reaches the same trace positions in the
+        same order, so they issue the same gathers in the same order (docs/prefetch.md)."""
+        if self.world_size == 1:
+            return
+        u = self.schedule.next_unit()
+        if u is None:
+            return
+        unit = self.units[u]
+        if unit.is_gathered or unit.gathering:
+            return
+        entry = self.prefetcher.take(u)
+        ahead = entry is not None
+        if entry is None:
+            entry = self.prefetcher.fetch_now(u)
+        cur = self.timeline.current
+        if cur is not None and entry is not None:
+            cur.prefetched += int(ahead)
+            cur.on_demand += int(not ahead)
+        local, filled = None, False
+        try:
+            if entry is not None:
+                t0 = now()
+                if isinstance(entry.what, ReadAhead):
+                    entry.what.pending.wait()
+                    local = entry.what.local
+                else:
+                    entry.what.ready_on_compute_stream()
+                    filled = True
+                self.timeline.count("fetch_wait", now() - t0)
+            t0 = now()
+            issued = unit.start_gather(local=local, filled=filled)
+            t1 = now()
+        finally:
+            if local is not None:
+                entry.drop()  # copied into the unit's slot of `full` before the gather
+        self.timeline.count("collective", t1 - t0)
+        if issued:
+            self._gather_issued[u] = t0
+
     def _gather(self, unit: FlatUnit) -> None:
         if unit.is_gathered:
             return
         tl = self.timeline
+        if unit.gathering:  # issued ahead by _gather_next: wait for it
+            t0 = now()
+            unit.gather()
+            t1 = now()
+            tl.count("collective", t1 - t0)
+            issued = self._gather_issued.pop(unit.index, t0)
+            tl.add(f"gather {unit.name or '<root>'}", "gather", "comm", issued, t1, unit.index, ahead=True)
+            return
         entry = self.prefetcher.take(unit.index)
         ahead = entry is not None
         if entry is None:

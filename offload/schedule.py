@@ -133,6 +133,17 @@ class Schedule:
             out.append(unit)
         return out
 
+    def next_unit(self) -> Optional[int]:
+        """The next distinct unit the trace uses after the cursor (pinned ones skipped),
+        whatever the budget: the one whose all-gather is issued ahead. None when not
+        following or prefetch is off."""
+        if not self.following or self.prefetch_bytes <= 0:
+            return None
+        for unit, _ in self.trace[self.pos :]:
+            if unit not in self.pinned:
+                return unit
+        return None
+
     def next_iteration(self) -> list[int]:
         """The first units of the last ended iteration's trace (pinned ones included: the
         root starts every iteration), within the prefetch budget: fetched ahead at the end

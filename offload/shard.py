@@ -173,6 +173,7 @@ def layout_unit(
 class UnitState(enum.Enum):
     SHARDED = "only the rank's shard exists, in its tier; `full` has 0-byte storage"
     GATHERED = "`full` holds every rank's shard on the compute device; parameters are readable"
+    GATHERING = "an all-gather into `full` was issued ahead of use and has not been waited for"
 
 
 class FlatUnit:
@@ -204,6 +205,7 @@ class FlatUnit:
         self.pg = pg
         self.key = (index, "param")
         self.state = UnitState.SHARDED
+        self._gather_work: Any = None
         if self.key not in tier:
             tier.allocate(self.key, layout.shard_numel, dtype)
         shard = tier.view(self.key)
@@ -260,6 +262,9 @@ class FlatUnit:
         """
         if self.state is UnitState.GATHERED:
             return
+        if self.state is UnitState.GATHERING:
+            self._finish_gather()
+            return
         _alloc_storage(self.full)
         n = self.layout.shard_numel
         r = self.pg.rank
@@ -291,11 +296,50 @@ class FlatUnit:
             self.full.copy_(full_host)
         self.state = UnitState.GATHERED
 
+    def start_gather(self, local: Optional[torch.Tensor] = None, filled: bool = False) -> bool:
+        """Issue this unit's all-gather ahead of its use (the schedule's last stage; world
+        size > 1, the collective on the compute device) and return; `gather()` then waits
+        for it. Every rank must issue the same gathers in the same order, which the
+        schedule guarantees by issuing them at the same trace positions. False when there
+        is nothing to issue (gathered, in flight, or the gloo-with-GPU path)."""
+        if self.state is not UnitState.SHARDED or self.pg.world_size == 1:
+            return False
+        if self._coll_device != self.device:
+            return False
+        _alloc_storage(self.full)
+        n = self.layout.shard_numel
+        r = self.pg.rank
+        slot = self.full[r * n : (r + 1) * n]
+        if not filled:
+            if local is None:
+                local = self.tier.view(self.key)
+                if local is None or local.device != self.device:
+                    wait(self.tier.fetch(self.key, slot))
+                    local = slot
+            if local.data_ptr() != slot.data_ptr():
+                slot.copy_(local)
+        self._gather_work = _dist.all_gather_into(self.full, slot, self.pg, async_op=True)
+        self.state = UnitState.GATHERING
+        return True
+
+    def _finish_gather(self) -> None:
+        work, self._gather_work = self._gather_work, None
+        if work is not None:
+            work.wait()
+        self.state = UnitState.GATHERED
+
+    @property
+    def gathering(self) -> bool:
+        return self.state is UnitState.GATHERING
+
     def free(self) -> None:
         """Release the full buffer (idempotent; a no-op when aliased to the shard). Also
-        releases bytes a dropped prefetch allocated."""
+        releases bytes a dropped prefetch allocated. A gather in flight completes first
+        (the other ranks take part in it)."""
         if self.aliased:
             return
+        if self.state is UnitState.GATHERING:
+            self._finish_gather()
         _free_storage(self.full)
         self.state = UnitState.SHARDED
 

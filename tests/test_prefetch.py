@@ -228,16 +228,22 @@ def _ws2_overlap(rank: int, world_size: int, path: str) -> list[tuple[str, str, 
         n = x.shape[0] // world_size
         engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
         engine.step()
-    spans = [(s.cat, s.name, s.start, s.end) for s in engine.timeline.last.spans]
+    spans = [(s.cat, s.name, s.start, s.end, s.track) for s in engine.timeline.last.spans]
     engine.close()
     return spans
 
 
 def test_gradient_reduce_overlaps_the_backward_of_the_unit_before(tmp_path):
     """World size 2: unit k's reduce-scatter is issued when its backward ends and completes
-    only after unit k-1's backward began (gloo runs it meanwhile); the update follows."""
+    only after unit k-1's backward began (gloo runs it meanwhile); the update follows. And
+    the all-gather of the next unit is issued before the current unit's forward compute
+    ends (the last stage of the chain, ahead of use)."""
     for spans in run_distributed(_ws2_overlap, 2, str(tmp_path)):
-        by = {(c, n): (a, b) for c, n, a, b in spans}
+        by = {(c, n): (a, b) for c, n, a, b, _ in spans}
+        ahead = {n: (a, b) for c, n, a, b, track in spans if c == "gather" and track == "comm"}
+        for k, nxt in (("blocks.0", "blocks.1"), ("blocks.1", "blocks.2")):
+            fwd_end = by[("compute", f"fwd {k}")][1]
+            assert ahead[f"gather {nxt}"][0] < fwd_end, (nxt, ahead[f"gather {nxt}"], fwd_end)
         for k, prev in (("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")):
             issued, done = by[("reduce", f"reduce {k}")]
             bwd_prev_start = by[("compute", f"bwd {prev}")][0]
