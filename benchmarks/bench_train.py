@@ -361,7 +361,8 @@ def main() -> None:
     p.add_argument("--no-nvme", action="store_true", help="skip the NVMe contenders")
     p.add_argument("--nvme-path", "--dir", dest="nvme_path", default="/tmp/offload-bench-nvme",
                    help="directory for swap files, on the disk to measure (not a tmpfs)")
-    p.add_argument("--pinned-budget-mb", type=int, default=512, help="offload.pinned_budget_bytes in MiB")
+    p.add_argument("--pinned-budget-mb", type=int, default=1024,
+                   help="offload.pinned_budget_bytes in MiB (the config default)")
     p.add_argument("--block-size", type=int, default=1 << 20, help="aio block size (bytes)")
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--io-threads", type=int, default=2)
