@@ -301,6 +301,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)  # an explicit flag wins over the preset
     args.rss_budget_bytes = parse_bytes(args.rss_budget) if args.rss_budget else None
+    if args.nvme_path and "nvme" in (args.param_tier, args.optimizer_tier, args.placement.replace("auto", "nvme")):
+        os.makedirs(args.nvme_path, exist_ok=True)  # the engine checks the disk behind it
     if args.data:
         args.vocab = 256
     if args.precision == "auto":
