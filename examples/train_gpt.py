@@ -61,34 +61,43 @@ class _Fp32Matmul(torch.autograd.Function):
     engine stores stay in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                out_dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        with torch.autocast("cpu", enabled=False):  # under autocast: the product stays fp32
+            y = F.linear(x.float(), w.float(), None if b is None else b.float())
+        return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
-        dy32 = dy.float()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (dy32 @ w.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (dy32.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy32.reshape(-1, dy.shape[-1]).sum(0).to(w.dtype)
-        return dx, dw, db
+        with torch.autocast("cpu", enabled=False):
+            dy32 = dy.float()
+            if ctx.needs_input_grad[0]:
+                dx = (dy32 @ w.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (dy32.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy32.reshape(-1, dy.shape[-1]).sum(0).to(w.dtype)
+        return dx, dw, db, None
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product runs in fp32 when `fp32_matmul` is set and the input is a
-    low-precision CPU tensor ([Note: CPU bf16 matmuls]); otherwise exactly nn.Linear."""
+    """nn.Linear whose product runs in fp32 when `fp32_matmul` is set and the layer computes
+    in bf16/fp16 on the CPU — low-precision input, or under `torch.autocast("cpu")` (plain
+    PyTorch mixed precision) — see [Note: CPU bf16 matmuls]; otherwise exactly nn.Linear.
+    The output has the dtype nn.Linear would give (the input's, or autocast's)."""
 
     fp32_matmul = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_matmul and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-            return _Fp32Matmul.apply(x, self.weight, self.bias)
+        if self.fp32_matmul and x.device.type == "cpu":
+            if torch.is_autocast_enabled("cpu"):
+                return _Fp32Matmul.apply(x, self.weight, self.bias, torch.get_autocast_dtype("cpu"))
+            if x.dtype in (torch.bfloat16, torch.float16):
+                return _Fp32Matmul.apply(x, self.weight, self.bias, x.dtype)
         return super().forward(x)
 
 
@@ -393,6 +402,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tok_s = 0.0
     step_s: list[float] = []
     io_per_step: list[int] = []
+    io_wait_s: list[float] = []
     t_run = time.perf_counter()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
@@ -409,6 +419,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         io1 = engine.io_stats()
         step_s.append(dt)
         io_per_step.append(int(io1["bytes_read"] - io0["bytes_read"] + io1["bytes_written"] - io0["bytes_written"]))
+        io_wait_s.append(io1["wait_s"] - io0["wait_s"])
         tok_s = tokens_per_step / dt
         done = step + 1
         if args.save_dir and args.save_every and (done % args.save_every == 0 or done == args.steps):
@@ -419,7 +430,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             line = (f"step {done}/{args.steps} loss {loss_value:.4f} tok/s {tok_s:,.0f} "
                     f"lr {engine.get_lr()[0]:.2e} mem {tiers}")
             if io_per_step[-1]:
-                line += f" | {dt:.1f} s, io {io_per_step[-1] / 1e9:.1f} GB"
+                line += (f" | {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
+                         f"waited {io_wait_s[-1]:.1f} s")
             if bar is not None:
                 bar.set_postfix_str(line.split(" ", 2)[2])
                 bar.update(done - bar.n)
@@ -434,7 +446,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "seconds": time.perf_counter() - t_run, "memory": memory,
               "param_tier": cfg.offload.param_tier, "optimizer_tier": cfg.offload.optimizer_tier,
               "init_s": round(init_s, 2), "step_s": [round(t, 3) for t in step_s],
-              "io_bytes_per_step": io_per_step, "peak_rss_bytes": peak, "planned": planned,
+              "io_bytes_per_step": io_per_step, "io_wait_s": [round(t, 3) for t in io_wait_s],
+              "peak_rss_bytes": peak, "planned": planned,
               "rss_budget_bytes": args.rss_budget_bytes}
     if rank == 0:
         _summary(result, tokens_per_step)
@@ -478,9 +491,11 @@ def _summary(r: dict, tokens_per_step: int) -> None:
           f"pinned staging {_gib(mem.get('pinned', 0))}")
     steps = r["step_s"]
     if steps:
+        import statistics
+
         later = steps[1:] or steps  # the first step also fills the pipeline and caches
-        t = sorted(later)[len(later) // 2]
-        io = sorted(r["io_bytes_per_step"][1:] or r["io_bytes_per_step"])[len(later) // 2]
+        t = statistics.median(later)
+        io = statistics.median(r["io_bytes_per_step"][1:] or r["io_bytes_per_step"])
         print(f"init {r['init_s']:.1f} s; step times {', '.join(f'{s:.1f}' for s in steps)} s; "
               f"median after the first {t:.1f} s = {tokens_per_step / t:,.1f} tokens/s; "
               f"NVMe I/O {io / 1e9:.1f} GB/step ({io / r['params']:.1f} B/param, "
