@@ -277,6 +277,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     t.add_argument("--warmup", type=int, default=2, help="linear warmup steps")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, x lr")
     t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
+                   help="Adam moments' dtype (bf16: 4 B/param less state, on disk or in memory)")
     t.add_argument("--clip", type=float, default=1.0, help="global-norm clipping; 0 = off")
     t.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="auto: bf16 on a GPU, fp32 on the CPU (CPU bf16 matmuls are slow "
@@ -329,7 +331,8 @@ def make_config(args: argparse.Namespace) -> offload.Config:
         offload_section.update(param_tier=args.param_tier, optimizer_tier=args.optimizer_tier)
     return offload.Config.from_dict({
         "offload": offload_section,
-        "optimizer": {"lr": args.lr, "weight_decay": args.weight_decay, "betas": [0.9, 0.95]},
+        "optimizer": {"lr": args.lr, "weight_decay": args.weight_decay, "betas": [0.9, 0.95],
+                      "moments_dtype": args.moments},
         "precision": {"dtype": args.precision},
         "gradient_clipping": args.clip,
         "gradient_accumulation_steps": args.accum,
