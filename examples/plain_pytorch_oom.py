@@ -16,7 +16,9 @@ other process. Never run a large plain-PyTorch model without such a limit.
     python examples/plain_pytorch_oom.py --layers 2 --d-model 512 --mem-limit +96MiB   # tiny
 
 --mem-limit: `auto` (default) = the smaller of the machine's RAM (MemTotal) and what is
-available now (MemAvailable) less 1 GiB, so the attempt can never push other processes out;
+available now (MemAvailable) less 3 GiB, so the attempt can never push other processes out
+(a limit at MemTotal on a machine where others hold memory would leave the kernel's OOM
+killer to decide; any limit below weights + gradients, 8 B/param, fails the same way);
 a size (`20GiB`) = that much address space in all; `+SIZE` = SIZE above what the process has
 mapped when the limit is set (after importing torch: its libraries and thread stacks).
 
@@ -66,8 +68,8 @@ def address_space_limit(spec: str) -> tuple[int, str]:
     """(bytes, how it was chosen) for --mem-limit."""
     if spec == "auto":
         total, avail = _meminfo_bytes("MemTotal"), _meminfo_bytes("MemAvailable")
-        limit = min(total, avail - (1 << 30))
-        return limit, (f"auto: min(MemTotal {_gib(total)}, MemAvailable {_gib(avail)} - 1 GiB)")
+        limit = min(total, avail - (3 << 30))
+        return limit, (f"auto: min(MemTotal {_gib(total)}, MemAvailable {_gib(avail)} - 3 GiB)")
     if spec.startswith("+"):
         mapped = _status_bytes("VmSize")
         return mapped + parse_bytes(spec[1:]), f"{_gib(mapped)} mapped + {spec[1:]}"
