@@ -430,7 +430,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             mem = engine.memory_bytes()
             tiers = " ".join(f"{k} {_mib(v)}" for k, v in mem.items())  # device host [pinned] nvme
-            line = (f"step {done}/{args.steps} loss {loss_value:.4f} tok/s {tok_s:,.0f} "
+            line = (f"step {done}/{args.steps} loss {loss_value:.4f} tok/s {_rate(tok_s)} "
                     f"lr {engine.get_lr()[0]:.2e} mem {tiers}")
             if io_per_step[-1]:
                 line += (f" | {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
@@ -485,6 +485,10 @@ def _planned(model: nn.Module, engine) -> Optional[dict]:
             "disk_bytes_per_step": est.disk_bytes_per_step}
 
 
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _summary(r: dict, tokens_per_step: int) -> None:
     """The end-of-run figures: state per tier, time per step, I/O, peak RSS vs plan/budget."""
     mem = r["memory"]
@@ -500,7 +504,7 @@ def _summary(r: dict, tokens_per_step: int) -> None:
         t = statistics.median(later)
         io = statistics.median(r["io_bytes_per_step"][1:] or r["io_bytes_per_step"])
         print(f"init {r['init_s']:.1f} s; step times {', '.join(f'{s:.1f}' for s in steps)} s; "
-              f"median after the first {t:.1f} s = {tokens_per_step / t:,.1f} tokens/s; "
+              f"median after the first {t:.1f} s = {_rate(tokens_per_step / t)} tokens/s; "
               f"NVMe I/O {io / 1e9:.1f} GB/step ({io / r['params']:.1f} B/param, "
               f"{io / t / 1e9:.2f} GB/s)")
     line = f"peak RSS {_gib(r['peak_rss_bytes'])}"

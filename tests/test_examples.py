@@ -52,7 +52,7 @@ def done(stdout: str) -> dict:
     return json.loads(line[len("done: "):])
 
 
-PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9,]+) lr \S+ "
+PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9.,]+) lr \S+ "
                       r"mem device \S+MiB host \S+MiB (?:pinned \S+MiB )?nvme \S+MiB$", re.M)
 
 
