@@ -21,7 +21,9 @@ A model larger than this machine's memory (docs/examples.md, "A model larger tha
 
     python examples/train_gpt.py --size 4b --precision bf16 --init-on-meta \\
         --param-tier nvme --optimizer-tier nvme --nvme-path /work/bigrun/swap \\
-        --batch 1 --seq 32 --steps 3 --rss-budget 20GiB
+        --pinned-budget 1200000000 --batch 1 --seq 32 --steps 3 --rss-budget 19GiB
+
+(or examples/larger_than_ram.sh, which also runs the plain-PyTorch baseline).
 """
 
 from __future__ import annotations
