@@ -11,119 +11,92 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# The order users read them in: disk, optimizer, then whole training steps.
+from benchmarks._report import render
+
+# The order users read them in: disk, optimizer, then whole training steps, then checkpoints.
 BENCHMARKS = ["bench_io", "bench_adam", "bench_train", "bench_checkpoint"]
+
+# What --quick adds to a script's own --quick, so every plot has a line to draw: bench_io's
+# quick grid is one block size, and "bandwidth vs block size" needs three. (Arguments after
+# --extra come later on the command line, so they win.)
+QUICK_ARGS = {"bench_io": ["--block-sizes", "256K,1M,4M"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="offload-bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="every benchmark in its quick mode")
-    p.add_argument("--out", default="bench-results", help="directory for report.md, suite.json, plots")
-    p.add_argument("--only", nargs="*", help="benchmark names to run (default: all present)")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="arguments passed to every script")
+    p.add_argument("--quick", action="store_true", help="every benchmark in its quick mode (a few minutes in all)")
+    p.add_argument("--out", default="bench-results", help="directory for report.md, suite.json, the plots and logs")
+    p.add_argument("--only", nargs="*", help=f"benchmark names to run (default: all of {BENCHMARKS})")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="wall-clock limit per benchmark, seconds (default 600 with --quick, 3600 without)")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="arguments passed to every script (put last; use with --only)")
     args = p.parse_args(argv)
+    timeout_s = args.timeout_s or (600.0 if args.quick else 3600.0)
 
     here = Path(__file__).resolve().parent
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in (args.only or BENCHMARKS) if (here / f"{n}.py").is_file()]
-    if not names:
-        print(f"no benchmarks found among {args.only or BENCHMARKS}", file=sys.stderr)
+    unknown = [n for n in (args.only or []) if not (here / f"{n}.py").is_file()]
+    if unknown:
+        print(f"no such benchmark: {', '.join(unknown)} (have: {', '.join(BENCHMARKS)})", file=sys.stderr)
         return 2
+    names = [n for n in (args.only or BENCHMARKS) if (here / f"{n}.py").is_file()]
 
     results: dict[str, Any] = {}
     failures: dict[str, str] = {}
+    t_suite = time.perf_counter()
     for name in names:
         json_path = out / f"{name}.json"
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--json", str(json_path), *args.extra]
+        json_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--json", str(json_path)]
         if args.quick:
-            cmd.append("--quick")
+            cmd += ["--quick", *QUICK_ARGS.get(name, [])]
+        cmd += args.extra
         print(f"== {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=here.parent, text=True, capture_output=True)
-        (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-        print(proc.stdout, end="", flush=True)
-        if proc.returncode != 0 or not json_path.is_file():
-            failures[name] = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"  {name} failed: {failures[name]}", file=sys.stderr)
+        try:
+            proc = subprocess.run(cmd, cwd=here.parent, text=True, capture_output=True, timeout=timeout_s)
+            log, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            log = _text(exc.stdout) + _text(exc.stderr) + f"\n[suite] killed after {timeout_s:g} s\n"
+            rc = None
+        (out / f"{name}.log").write_text(log)
+        print(log if rc != 0 else proc.stdout, end="", flush=True)
+        if rc != 0 or not json_path.is_file():
+            tail = (log.strip().splitlines() or ["no output"])[-1]
+            failures[name] = (f"timed out after {timeout_s:g} s" if rc is None else f"exit {rc}: {tail}")
+            print(f"  {name} failed: {failures[name]} (log: {out / f'{name}.log'})", file=sys.stderr)
             continue
         results[name] = json.loads(json_path.read_text())
         results[name]["_wall_s"] = round(time.perf_counter() - t0, 1)
 
-    suite = {"quick": args.quick, "results": results, "failures": failures}
+    suite = {
+        "command": " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]),
+        "quick": args.quick,
+        "wall_s": round(time.perf_counter() - t_suite, 1),
+        "results": results,
+        "failures": failures,
+    }
+    report, plots = render(suite, out)
+    suite["plots"] = plots
     (out / "suite.json").write_text(json.dumps(suite, indent=2, default=str))
-    (out / "report.md").write_text(_report(suite, out))
-    print(f"wrote {out / 'report.md'} and {out / 'suite.json'}")
+    (out / "report.md").write_text(report)
+    print(f"wrote {out / 'report.md'}, {out / 'suite.json'} and {len(plots)} plot(s) "
+          f"in {suite['wall_s']:g} s" + (f"; failed: {', '.join(failures)}" if failures else ""))
     return 1 if failures else 0
 
 
-def _report(suite: dict[str, Any], out: Path) -> str:
-    lines = ["# offload benchmark report", ""]
-    machine = next((r.get("machine") for r in suite["results"].values() if r.get("machine")), None)
-    if machine:
-        lines += ["Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
-    for name, result in suite["results"].items():
-        lines += [f"## {name}", ""]
-        rows = result.get("rows") or []
-        if rows:
-            cols = list(rows[0].keys())
-            lines.append("| " + " | ".join(cols) + " |")
-            lines.append("|" + "---|" * len(cols))
-            for r in rows:
-                lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
-            lines.append("")
-        plot = _plot(name, result, out)
-        if plot:
-            lines += [f"![{name}]({plot})", ""]
-    for name, why in suite["failures"].items():
-        lines += [f"## {name}: failed", "", f"    {why}", ""]
-    return "\n".join(lines)
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return "" if v is None else str(v)
-
-
-def _plot(name: str, result: dict[str, Any], out: Path) -> str | None:
-    """A bar chart of the benchmark's declared headline metric, one bar per row."""
-    spec = result.get("plot")  # {"x": column, "y": column, "group": column (optional), "title": ...}
-    rows = result.get("rows") or []
-    if not spec or not rows:
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 4))
-    groups: dict[str, list[tuple[Any, float]]] = {}
-    for r in rows:
-        y = r.get(spec["y"])
-        if isinstance(y, (int, float)) and y == y:
-            groups.setdefault(str(r.get(spec.get("group", ""), "")), []).append((r.get(spec["x"]), float(y)))
-    for g, pts in groups.items():
-        ax.plot([str(x) for x, _ in pts], [y for _, y in pts], marker="o", label=g or None)
-    ax.set_xlabel(spec["x"])
-    ax.set_ylabel(spec["y"])
-    ax.set_title(spec.get("title", name))
-    if len(groups) > 1:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+def _text(b: bytes | str | None) -> str:
+    if b is None:
+        return ""
+    return b if isinstance(b, str) else b.decode(errors="replace")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,15 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
 
     for m in order:
         has_reset = callable(getattr(m, "reset_parameters", None))
+        up = parent.get(id(m))
+        # A direct child of the model or of a ModuleList/Dict (a transformer block) ends a
+        # unit's worth of modules: its values go out now, so at most one block is held.
+        block_end = up is model or isinstance(up, (nn.ModuleList, nn.ModuleDict))
         if not has_reset and init_fn is None:
+            # A container with nothing of its own to initialize (a Block of Linears) still
+            # ends its subtree here: skipping the flush would hold every block to the end.
+            if block_end:
+                yield from flush(m)
             continue
         # reset_parameters() may touch the module's children (nn.MultiheadAttention sets
         # out_proj.bias); init_fn, like model.apply's function, sees one module.
@@ -149,8 +157,7 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
             for p in sub._parameters.values():
                 if p is not None and orig_id(p) in real:
                     initialized_by.setdefault(orig_id(p), m)
-        up = parent.get(id(m))
-        if up is model or isinstance(up, (nn.ModuleList, nn.ModuleDict)):
+        if block_end:
             yield from flush(m)
 
     missing = [names[pid] for pid in originals if pid not in initialized_by]

@@ -3,7 +3,11 @@
 What each pins: train_gpt.py trains (finite loss, its progress line carries loss, tokens/s
 and per-tier memory), with accumulation, clipping, a text file, `--placement auto`, and under
 `torchrun` with two processes; with checkpoints in the engine, a run saved and resumed ends
-with exactly the loss of an uninterrupted run. The Hugging Face example trains a Llama and a
+with exactly the loss of an uninterrupted run; the larger-than-RAM recipe (meta init, both
+tiers on NVMe, bf16 with fp32 products) reports its state, I/O and peak RSS against the
+planner and fails when over --rss-budget. plain_pytorch_oom.py reports running out of
+memory under its address-space limit cleanly (exit 3, the stage, the allocator's message)
+and trains when the limit allows. The Hugging Face example trains a Llama and a
 GPT-2 built from configs (skipped without transformers). The DeepSpeed user's script runs.
 """
 
@@ -48,7 +52,7 @@ def done(stdout: str) -> dict:
     return json.loads(line[len("done: "):])
 
 
-PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9,]+) lr \S+ "
+PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9.,]+) lr \S+ "
                       r"mem device \S+MiB host \S+MiB (?:pinned \S+MiB )?nvme \S+MiB$", re.M)
 
 
@@ -102,6 +106,50 @@ def test_train_gpt_without_checkpoints_says_so(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode != 0 and "no engine.save_checkpoint" in out.stderr
+
+
+def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path):
+    nvme = tmp_path / "swap"  # created by the script
+    args = ["--size", "tiny", "--vocab", "256", "--seq", "16", "--batch", "2", "--device", "cpu",
+            "--steps", "2", "--precision", "bf16", "--init-on-meta", "--param-tier", "nvme",
+            "--optimizer-tier", "nvme", "--nvme-path", str(nvme), "--pinned-budget", str(8 << 20)]
+    out = run("train_gpt.py", *args, "--rss-budget", "4GiB")
+    result = done(out)
+    assert "GPT 0.12M parameters (2 layers, d_model 64" in out
+    assert re.search(r"^training state: .* \(18\.\d B/param\): host", out, re.M), out
+    assert re.search(r"NVMe I/O [0-9.]+ GB/step \((2\d|3\d)\.\d B/param", out), out
+    assert re.search(r"^peak RSS .*; planner: host .*; budget 4.00 GiB: within$", out, re.M), out
+    assert result["planned"]["host"] == result["memory"]["host"]  # the planner's figure, exactly
+    assert result["planned"]["nvme"] == result["memory"]["nvme"]
+    assert all(b > 0 for b in result["io_bytes_per_step"]) and result["peak_rss_bytes"] > 0
+    assert not (nvme / "offload-swap").exists()  # close() removed the swap files
+    over = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *args,
+                           "--rss-budget", "1MiB"], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert over.returncode == 3 and "exceeded --rss-budget 1.0 MiB" in over.stderr, over.stderr
+
+
+def test_plain_pytorch_oom_reports_out_of_memory_cleanly():
+    # 10.6M parameters: 0.17 GB of plain-PyTorch training state, 96 MiB of address space
+    # above what the warmed-up process maps: the allocator fails in backward or the first
+    # optimizer step, the script catches it and says where.
+    cmd = [sys.executable, os.path.join(EXAMPLES, "plain_pytorch_oom.py"), "--layers", "2",
+           "--d-model", "512", "--mem-limit", "+96MiB", "--steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert re.search(r"^OUT OF MEMORY at stage 'step 1 (backward|optimizer)", out.stdout, re.M), out.stdout
+    assert "can't allocate memory" in out.stdout and "Traceback" not in out.stderr
+    assert "build the model (fp32 weights, 4 B/param): ok" in out.stdout
+
+
+def test_plain_pytorch_oom_trains_when_the_limit_allows():
+    cmd = [sys.executable, os.path.join(EXAMPLES, "plain_pytorch_oom.py"), "--layers", "2",
+           "--d-model", "512", "--mem-limit", "+2GiB", "--steps", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the model fits" in out.stdout and re.search(r"^  step 1 loss [0-9.]+$", out.stdout, re.M)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

@@ -1,0 +1,242 @@
+"""The suite's Markdown report and its PNG plots, from the benchmarks' JSON results.
+
+Each benchmark writes `{"machine": ..., "rows": [...], ...}`; this module turns a suite of
+them into one report: the machine, then per benchmark its table and the plot that answers
+its question at a glance:
+
+- bench_io          sequential bandwidth vs block size, one line per contender and direction
+- bench_adam        Adam parameters/s vs threads, one line per contender (largest size run)
+- bench_train       step time by tier (the engine's placements next to the peers)
+- bench_checkpoint  save / load GB/s by optimizer tier, next to the disk and torch.save/load
+
+Plots need matplotlib (`pip install 'offload[bench]'`). Without it, or when one plot fails,
+the report says so in place of the image and the tables are written all the same: a report
+without pictures is still a report, a crash is not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+Result = dict[str, Any]
+
+
+def render(suite: dict[str, Any], out: Path) -> tuple[str, dict[str, str]]:
+    """The report's Markdown, and {plot file name: caption} of the PNGs written into `out`."""
+    plt, why_no_plots = _pyplot()
+    lines = ["# offload benchmark report", ""]
+    machine = next((r.get("machine") for r in suite["results"].values() if r.get("machine")), None)
+    if machine:
+        lines += ["Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
+    mode = "quick" if suite.get("quick") else "full"
+    lines += [f"Mode: {mode}. Command: `{suite.get('command', 'python -m benchmarks')}`", ""]
+    if why_no_plots:
+        lines += [f"Plots skipped: {why_no_plots}.", ""]
+    plots: dict[str, str] = {}
+    for name, result in suite["results"].items():
+        wall = result.get("_wall_s")
+        lines += [f"## {name}" + (f" ({wall:g} s)" if wall is not None else ""), ""]
+        lines += _table(result.get("rows") or [])
+        if plt is None:
+            continue
+        try:
+            made = _plot(name, result, out, plt)
+        except Exception as exc:  # a plot must never cost the report its tables
+            lines += [f"Plot skipped: {type(exc).__name__}: {exc}", ""]
+            continue
+        if made:
+            file_name, caption = made
+            plots[file_name] = caption
+            lines += [f"![{caption}]({file_name})", ""]
+    for name, why in suite["failures"].items():
+        lines += [f"## {name}: failed", "", f"    {why}", ""]
+    return "\n".join(lines), plots
+
+
+def _pyplot() -> tuple[Any, Optional[str]]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on a server
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, "matplotlib is not installed (pip install 'offload[bench]')"
+    return plt, None
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["(no rows)", ""]
+    cols: list[str] = []
+    for r in rows:  # the union of the rows' columns, in first-seen order
+        cols += [c for c in r if c not in cols]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return out + [""]
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return ""
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+def _number(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and v == v else None
+
+
+def _plot(name: str, result: Result, out: Path, plt: Any) -> Optional[tuple[str, str]]:
+    rows = result.get("rows") or []
+    if not rows:
+        return None
+    draw = _PLOTS.get(name, _plot_declared)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    try:
+        caption = draw(rows, result, ax)
+        if caption is None:
+            return None
+        ax.set_title(caption, fontsize="medium")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        file_name = f"{name}.png"
+        fig.savefig(out / file_name, dpi=110)
+        return file_name, caption
+    finally:
+        plt.close(fig)
+
+
+def _block_bytes(label: str) -> float:
+    label = str(label).strip().upper()
+    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if label.endswith(suffix):
+            return float(label[:-1]) * mult
+    return float(label)
+
+
+def _plot_io(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """GB/s vs block size, per contender and direction; the best queue depth x threads per block."""
+    series: dict[str, dict[float, float]] = {}
+    for r in rows:
+        block = _block_bytes(r["block"])
+        for col in ("offload GB/s", "fio GB/s", "deepspeed GB/s"):
+            v = _number(r.get(col))
+            if v is None:
+                continue
+            pts = series.setdefault(f"{col.split()[0]} {r['op']}", {})
+            pts[block] = max(v, pts.get(block, 0.0))
+    if not series:
+        return None
+    for label, pts in sorted(series.items()):
+        xs = sorted(pts)
+        style = "-" if label.startswith("offload") else "--"
+        ax.plot(xs, [pts[x] for x in xs], style, marker="o", label=label)
+    blocks = sorted({x for pts in series.values() for x in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(blocks, [_size_label(b) for b in blocks])
+    ax.set_xlabel("block size")
+    ax.set_ylabel("GB/s (median, O_DIRECT)")
+    ax.set_ylim(bottom=0)
+    return "sequential bandwidth vs block size (best queue depth x threads per block)"
+
+
+def _size_label(n: float) -> str:
+    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{int(n // mult)}{suffix}"
+    return f"{int(n)}"
+
+
+def _plot_adam(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """Mparam/s vs threads at the largest size measured, one line per contender."""
+    size = max(r["params_M"] for r in rows)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        v = _number(r.get("Mparam/s"))
+        if r["params_M"] == size and v is not None:
+            series.setdefault(r["contender"], []).append((int(r["threads"]), v))
+    for label, pts in series.items():
+        pts.sort()
+        style = "-" if label.startswith("ours") else "--"
+        ax.plot([t for t, _ in pts], [v for _, v in pts], style, marker="o", label=label)
+    threads = sorted({t for pts in series.values() for t, _ in pts})
+    ax.set_xticks(threads)
+    ax.set_xlabel("threads")
+    ax.set_ylabel("M params / s (median)")
+    ax.set_ylim(bottom=0)
+    return f"Adam step throughput vs threads, {size:g} M params"
+
+
+# Where each bench_train contender keeps parameters and optimizer state.
+_TRAIN_TIERS = {
+    "torch": "plain PyTorch (all on compute device)",
+    "engine": "engine: params cpu, optimizer cpu",
+    "engine_nvme_opt": "engine: params cpu, optimizer nvme",
+    "engine_nvme_all": "engine: params nvme, optimizer nvme",
+    "fsdp2": "FSDP2 CPU offload",
+    "deepspeed": "DeepSpeed ZeRO-3: cpu, cpu",
+    "deepspeed_nvme": "DeepSpeed ZeRO-3: nvme, nvme",
+}
+
+
+def _plot_train(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """Horizontal bars of step time, one per contender, labelled with its placement."""
+    pts = [(r["contender"], _number(r.get("step_ms"))) for r in rows]
+    pts = [(c, v) for c, v in pts if v is not None]
+    if not pts:
+        return None
+    labels = [_TRAIN_TIERS.get(c, c) for c, _ in pts]
+    colors = ["tab:blue" if c.startswith("engine") else "tab:gray" for c, _ in pts]
+    ax.barh(range(len(pts)), [v for _, v in pts], color=colors)
+    ax.set_yticks(range(len(pts)), labels, fontsize="small")
+    ax.invert_yaxis()
+    for i, (_, v) in enumerate(pts):
+        ax.text(v, i, f" {v:.0f}", va="center", fontsize="small")
+    ax.set_xlabel("step time, ms (median; lower is better)")
+    n = result.get("n_params")
+    size = f", {n / 1e6:.1f} M params" if isinstance(n, (int, float)) else ""
+    return f"training step time by tier{size}"
+
+
+def _plot_checkpoint(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """Grouped bars: per (tier, op), offload vs the disk vs torch, GB/s."""
+    cols = [("offload GB/s", "tab:blue"), ("disk GB/s", "tab:green"), ("torch GB/s", "tab:gray")]
+    cases = [f"{r['tier']} {r['op']}" for r in rows]
+    width = 0.8 / len(cols)
+    for k, (col, color) in enumerate(cols):
+        vals = [_number(r.get(col)) or 0.0 for r in rows]
+        ax.bar([i + (k - 1) * width for i in range(len(rows))], vals, width, label=col, color=color)
+    ax.set_xticks(range(len(rows)), cases)
+    ax.set_ylabel("GB/s of optimizer state (median)")
+    return "checkpoint save / load bandwidth by optimizer tier"
+
+
+def _plot_declared(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """A benchmark the suite has no plot for: the line its JSON declares ({"x", "y", "group"})."""
+    spec = result.get("plot")
+    if not spec:
+        return None
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for r in rows:
+        y = _number(r.get(spec["y"]))
+        if y is not None:
+            groups.setdefault(str(r.get(spec.get("group", ""), "")), []).append((str(r.get(spec["x"])), y))
+    for g, pts in groups.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=g or None)
+    ax.set_xlabel(spec["x"])
+    ax.set_ylabel(spec["y"])
+    return spec.get("title", "")
+
+
+_PLOTS: dict[str, Callable[[list[dict], Result, Any], Optional[str]]] = {
+    "bench_io": _plot_io,
+    "bench_adam": _plot_adam,
+    "bench_train": _plot_train,
+    "bench_checkpoint": _plot_checkpoint,
+}
+
+__all__ = ["render"]

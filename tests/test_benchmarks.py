@@ -1,0 +1,85 @@
+"""The benchmark suite runner (`python -m benchmarks`), end to end on one small benchmark.
+
+What each pins: the runner runs a benchmark as its own process and writes report.md (the
+table), suite.json and the PNG plot (or says plots were skipped when matplotlib is missing:
+never a crash); a benchmark that fails is reported by name with its reason and the exit
+status says so; a plot that cannot be drawn costs the report its picture, not its tables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import _report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def suite(out, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "benchmarks", "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_suite_runs_bench_io_end_to_end_and_writes_report_json_and_plot(tmp_path):
+    # 16 MiB file, two block sizes, one round, no DeepSpeed (its JIT build alone takes
+    # seconds): the whole path (subprocess, JSON, report, plot) in a few seconds.
+    out = suite(tmp_path, "--only", "bench_io", "--extra", "--size", "16M", "--block-sizes",
+                "256K,1M", "--threads", "1", "--repeats", "1", "--no-deepspeed")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = (tmp_path / "report.md").read_text()
+    assert "## bench_io" in report and "| case | op | block |" in report, report
+    rows = [l for l in report.splitlines() if l.startswith("| ") and (" write |" in l or " read |" in l)]
+    assert len(rows) == 4, report  # 2 block sizes x (write, read)
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert data["failures"] == {} and len(data["results"]["bench_io"]["rows"]) == 4
+    assert data["results"]["bench_io"]["rows"][0]["offload GB/s"] > 0
+    if HAS_MATPLOTLIB:
+        png = tmp_path / "bench_io.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "](bench_io.png)" in report and list(data["plots"]) == ["bench_io.png"]
+    else:
+        assert "Plots skipped: matplotlib is not installed" in report
+
+
+def test_suite_reports_a_failing_benchmark_by_name_and_exits_nonzero(tmp_path):
+    out = suite(tmp_path, "--only", "bench_io", "--extra", "--no-such-flag")
+    assert out.returncode == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "## bench_io: failed" in report and "no-such-flag" in report
+    assert "bench_io" in json.loads((tmp_path / "suite.json").read_text())["failures"]
+
+
+def test_suite_rejects_an_unknown_benchmark_name(tmp_path):
+    out = suite(tmp_path, "--only", "bench_nothing")
+    assert out.returncode == 2 and "no such benchmark: bench_nothing" in out.stderr
+
+
+ROWS = [{"tier": "cpu", "op": "save", "offload GB/s": 0.5, "disk GB/s": 0.8, "torch GB/s": 0.4},
+        {"tier": "cpu", "op": "load", "offload GB/s": 1.1, "disk GB/s": 3.0, "torch GB/s": 0.5}]
+
+
+def test_report_without_matplotlib_says_plots_were_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    suite_data = {"quick": True, "results": {"bench_checkpoint": {"rows": ROWS}}, "failures": {}}
+    text, plots = _report.render(suite_data, tmp_path)
+    assert plots == {} and not list(tmp_path.glob("*.png"))
+    assert "Plots skipped: matplotlib is not installed (pip install 'offload[bench]')" in text
+    assert "| cpu | load | 1.1 | 3 | 0.5 |" in text  # the table is there all the same
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install 'offload[bench]')")
+def test_report_keeps_its_tables_when_a_plot_fails(tmp_path):
+    bad = [{"params_M": 10, "contender": "ours fp32", "Mparam/s": 1.0}]  # no "threads" column
+    suite_data = {"quick": True, "results": {"bench_adam": {"rows": bad},
+                                             "bench_checkpoint": {"rows": ROWS}}, "failures": {}}
+    text, plots = _report.render(suite_data, tmp_path)
+    assert "Plot skipped: KeyError" in text and "| 10 | ours fp32 | 1 |" in text
+    assert list(plots) == ["bench_checkpoint.png"] and (tmp_path / "bench_checkpoint.png").is_file()
