@@ -13,6 +13,8 @@
 # BATCH (1), OUT (logs, default /work/bigrun), NVME (swap directory on a local disk, default
 # $OUT/swap; not tmpfs), PINNED (staging pool bytes, default 1.2e9: one 4b block's working
 # set), RSS_BUDGET (default 19GiB), MOMENTS (fp32; bf16 saves 4 B/param of disk),
+# CLIP (gradient clipping, default 0: every unit is then updated during backward and its
+# fp32 gradient shard is transient, 4 B/param less host memory; 1.0 keeps them all),
 # SKIP_PLAIN=1 to skip step 1, DRY_RUN=1 to stop after the checks. It refuses to start when MemAvailable is below the planner's
 # host figure plus 2 GiB, or the disk below the swap files plus 5%: on a shared machine the
 # kernel's OOM killer must never be the one who says no.
@@ -28,6 +30,7 @@ NVME="${NVME:-$OUT/swap}"
 PINNED="${PINNED:-1200000000}"
 RSS_BUDGET="${RSS_BUDGET:-19GiB}"
 MOMENTS="${MOMENTS:-fp32}"
+CLIP="${CLIP:-0}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$NVME"
 
@@ -35,16 +38,16 @@ mkdir -p "$OUT" "$NVME"
 read -r HOST_NEED NVME_NEED < <(cd "$HERE" && "$PY" -c '
 import sys, torch, train_gpt
 from offload.plan import plan, make_machine
-size, seq, pinned, moments, nvme = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+size, seq, pinned, moments, nvme, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
 layers, d, heads = train_gpt.SIZES[size]
 with torch.device("meta"):
     m = train_gpt.GPT(8192, d, layers, heads, seq)
-cfg = {"precision": {"dtype": "bf16"}, "optimizer": {"moments_dtype": moments},
+cfg = {"precision": {"dtype": "bf16"}, "optimizer": {"moments_dtype": moments}, "gradient_clipping": clip,
        "offload": {"param_tier": "nvme", "optimizer_tier": "nvme", "nvme_path": nvme,
                    "pinned_budget_bytes": pinned}}
 e = plan(m, machine=make_machine(cpu_mem=1 << 50, nvme_free=1 << 50), config=cfg).estimate("nvme", "nvme")
 print(e.per_rank.host + e.per_rank.pinned + e.working_device_bytes, e.per_rank.nvme)
-' "$SIZE" "$SEQ" "$PINNED" "$MOMENTS" "$NVME") || true
+' "$SIZE" "$SEQ" "$PINNED" "$MOMENTS" "$NVME" "$CLIP") || true
 [[ -n "${NVME_NEED:-}" ]] || { echo "the planner failed (see above)" >&2; exit 1; }
 AVAIL=$(awk '/^MemAvailable:/ {printf "%.0f", $2 * 1024}' /proc/meminfo)
 DISK_FREE=$(df --output=avail -B1 "$NVME" | tail -1)
@@ -77,7 +80,7 @@ fi
 echo "== offload, log: $OUT/offload.log"
 /usr/bin/time -v "$PY" "$HERE/train_gpt.py" --size "$SIZE" --precision bf16 --init-on-meta \
     --param-tier nvme --optimizer-tier nvme --nvme-path "$NVME" --pinned-budget "$PINNED" \
-    --moments "$MOMENTS" --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --device cpu \
+    --moments "$MOMENTS" --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --device cpu --clip "$CLIP" \
     --rss-budget "$RSS_BUDGET" --json "$OUT/offload.json" > "$OUT/offload.log" 2>&1
 grep -vE $'^(done:|\t)' "$OUT/offload.log" || true
 grep -E "Maximum resident|Elapsed" "$OUT/offload.log"
