@@ -113,7 +113,7 @@ class HostOptimizerStates:
             st.master.copy_(master)
 
     @contextlib.contextmanager
-    def open(self, index: int, write: bool = False) -> Iterator[UnitTensors]:
+    def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
         st = self._states[index]
         yield UnitTensors(st.master, st.exp_avg, st.exp_avg_sq)
 
@@ -238,12 +238,18 @@ class NVMeOptimizerStates:
         self._write(index, buf, [])
 
     @contextlib.contextmanager
-    def open(self, index: int, write: bool = False) -> Iterator[UnitTensors]:
+    def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
+        """`overwrite` (with `write`): the caller sets every tensor, so the slot is not read
+        first (a checkpoint load writes the state without reading the one it replaces)."""
         lay = self.layouts[index]
         buf = self._ctx.staging.acquire(lay.nbytes)
         t: Optional[UnitTensors] = None
         try:
-            self._read(index, buf).wait()
+            if overwrite and write:
+                self.cancel_prefetch(index)
+                self._wait_write(index)  # the new write must land after the old one
+            else:
+                self._read(index, buf).wait()
             t = self._views(index, buf)
             yield t
         except BaseException:

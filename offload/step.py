@@ -308,7 +308,7 @@ class ShardedAdam(torch.optim.Optimizer):
                     f"unit {st.unit.name or '<root>'} {name}: saved shape {tuple(src.shape)} "
                     f"!= this engine's {shape} (different model or world size)"
                 )
-        with self.store.open(st.unit.index, write=True) as t:
+        with self.store.open(st.unit.index, write=True, overwrite=True) as t:
             for name in want:
                 getattr(t, name).copy_(state[name])
             st.slot_steps = [int(s) for s in state["slot_steps"]]
