@@ -517,7 +517,8 @@ def test_crc32c_check_value_and_kernels_agree():
     assert C.crc32c(data.data_ptr(), 9) == 0xE3069283  # the CRC-32C check value
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=g)
-    for n in (0, 1, 7, 8, 9, 4096, 100_003):
+    # around the fast kernel's 3 x 8 KiB lanes too (24576 bytes per round)
+    for n in (0, 1, 7, 8, 9, 4096, 24_575, 24_576, 24_577, 49_160, 100_003):
         fast = C.crc32c(x.data_ptr(), n)
         assert fast == C.crc32c(x.data_ptr(), n, 0, True), n  # SSE4.2 == portable
         # continuing a running CRC equals one pass
