@@ -164,10 +164,10 @@ class _UnitStates:
     `when_written` callback once the unit's bytes are on disk.
 
     The NVMe store's staging pool does not wait for buffers held by open contexts: it
-    raises RuntimeError when its budget cannot hold another unit. A read ahead that fails
-    so is retried on this thread after every earlier unit's writes have retired and their
-    contexts closed, and reading ahead stops for the rest of the save; a failure then is
-    the caller's (raised as is).
+    raises RuntimeError when its budget cannot hold another unit. Then the unit is opened
+    again on this thread after every earlier unit's writes have retired and their contexts
+    closed (and a failed read ahead stops reading ahead for the rest of the save); a
+    failure with nothing of this save open is the caller's, raised as is.
     """
 
     def __init__(self, optimizer: Any, ahead: bool) -> None:
@@ -191,10 +191,15 @@ class _UnitStates:
             try:
                 got = fut.result()
             except RuntimeError:
-                writer.settle()  # close every earlier unit's context, then retry here
-                self.ahead = False
+                self.ahead = False  # the budget holds too few units: read in turn from now on
         if got is None:
-            got = self._enter(index)
+            try:
+                got = self._enter(index)
+            except RuntimeError:
+                if not self._opened:
+                    raise  # nothing of this save holds the budget: not ours to fix
+                writer.settle()  # earlier units' writes done, their contexts closed
+                got = self._enter(index)
         cm, state = got
         self._opened[index] = cm
         if self.ahead and following:
