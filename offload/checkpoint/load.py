@@ -49,6 +49,7 @@ from offload.checkpoint.shards import (
     ReadJob,
     ShardReader,
     chunk_jobs,
+    huge_aligned_empty,
 )
 
 
@@ -167,10 +168,8 @@ def _check_live(unit: Any, dest: dict[str, torch.Tensor], shard_numel: int, n_op
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    from offload.io import aligned_empty
-
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return aligned_empty(numel * itemsize, pin=False).view(dtype)
+    return huge_aligned_empty(numel * itemsize).view(dtype)  # whole huge pages: faster O_DIRECT
 
 
 @contextlib.contextmanager

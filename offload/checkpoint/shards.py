@@ -79,36 +79,60 @@ class CheckpointCorruptError(OSError):
     """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch)."""
 
 
+HUGE_PAGE_BYTES = 2 << 20
+"""Bytes of a transparent huge page on x86-64: the alignment of staging memory (see
+`huge_aligned_empty`)."""
+
+
+def huge_aligned_empty(nbytes: int) -> torch.Tensor:
+    """`offload.io.aligned_empty(nbytes)` (uint8, advised onto transparent huge pages when
+    large), but starting on a 2 MiB boundary, so every 2 MiB of it can be a huge page.
+
+    Why: `aligned_empty` aligns to 4 KiB, so a 16 MiB buffer spans nine 2 MiB ranges, and
+    the partial ones at each end stay on 4 KiB pages; an O_DIRECT block over 4 KiB pages is
+    split into more segments than the virtio queue takes in one request. Measured on the
+    development VM, 16 MiB chunks read with 8 in flight: 3.1 GB/s into a ring of eight
+    separate `aligned_empty` buffers, 4.5 GB/s into eight 2 MiB-aligned slices of one slab
+    (and into one large buffer). Costs up to 2 MiB of address space per call.
+    """
+    from offload.io import aligned_empty
+
+    # Not pinned: these buffers only meet files (O_DIRECT), never the GPU, and page-locked
+    # memory gets no huge pages.
+    raw = aligned_empty(nbytes + HUGE_PAGE_BYTES, pin=False)
+    skip = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    return raw[skip : skip + nbytes]
+
+
 class StagingRing:
     """`window` page-aligned staging buffers of `capacity` bytes, used in turn.
 
     The pipelines retire work first in, first out and keep at most `window` items in
     flight, so when item i takes buffer i % window, item i - window (its previous user) has
-    been retired. (A plain ring rather than `offload.io.BufferPool`: its reuse path compares
-    tensors with `list.remove`, which fails with more than one idle buffer; see the closing
-    note in docs/checkpoint.md.) Buffers are allocated on first use, so a small checkpoint
-    touches only the bytes it needs.
+    been retired. The buffers are 2 MiB-aligned slices of one slab (`huge_aligned_empty`:
+    whole huge pages, measured ~45% faster O_DIRECT than separate buffers), allocated on
+    first use; its pages are faulted in as used, so a small checkpoint touches only the
+    bytes it needs.
     """
 
     def __init__(self, window: int, capacity: int) -> None:
         self.window = window
         self.capacity = align_up(capacity)
-        self.buffers: list[Optional[torch.Tensor]] = [None] * window
+        self._stride = align_up(self.capacity, HUGE_PAGE_BYTES)
+        self._slab: Optional[torch.Tensor] = None
         self.next = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        from offload.io import aligned_empty
-
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the staging buffer's {self.capacity}")
-        i = self.next % len(self.buffers)
+        i = self.next % self.window
         self.next += 1
-        if self.buffers[i] is None:
-            self.buffers[i] = aligned_empty(self.capacity)
-        return self.buffers[i][:nbytes]
+        if self._slab is None:
+            self._slab = huge_aligned_empty(self.window * self._stride)
+        return self._slab[i * self._stride : i * self._stride + nbytes]
 
     def free(self) -> None:
-        self.buffers = [None] * len(self.buffers)
+        self._slab = None
 
 
 class Staging:
