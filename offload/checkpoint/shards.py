@@ -14,8 +14,8 @@ record of a tensor is a plain dict that goes into the manifest:
 write is in flight (both only read the buffer). A chunk whose bytes are page-aligned in
 the caller's tensor (address and length: the NVMe tier's pooled buffers, whose tensors
 start on 4 KiB boundaries) is written straight from it, O_DIRECT, with no copy; any other
-(host tensors, which the CPU allocator aligns to 64 bytes only, and every record's padded
-last chunk) is first copied by the worker into a page-aligned staging buffer
+(host tensors, which the CPU allocator aligns to 64 bytes only, and a record's last chunk
+when it must be padded) is first copied by the worker into a page-aligned staging buffer
 (`StagingRing`) and zero-padded to 4 KiB. The caller's thread only cuts and submits, so
 copies and CRCs of neighbouring chunks run side by side. At most `window` chunks are in
 flight: memory is bounded by window * chunk_bytes whatever the model's size. Because
