@@ -236,10 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     params = parse_count(args.params or ("16M" if args.quick else "100M"))
     repeats = args.repeats or (3 if args.quick else 5)
     info = machine_info(args.dir)
+    from offload._native import C
+
+    info["crc32c_kernel"] = C.crc32c_kernel() if hasattr(C, "crc32c_kernel") else "zlib"
     print_machine(info)
+    # The machine may be shared: the load average says how much the figures can be trusted.
+    info["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average before: {info['load_average_before']}")
     rows: list[dict[str, Any]] = []
     for tier in args.tiers.split(","):
         rows += run_tier(args, tier.strip(), params, repeats)
+    info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average after: {info['load_average_after']}")
     print_table(rows)
     write_json(args.json, {
         "machine": info, "rows": rows, "params": params, "repeats": repeats,

@@ -1132,34 +1132,11 @@ class Engine:
 
         Every rank must call it (it gathers); with `rank0_only` the other ranks get {}.
         Units are gathered one at a time, so at most one unit's full fp32 copy exists
-        beside the result."""
-        want = self.rank == 0 or not rank0_only
-        values: dict[tuple[int, int], torch.Tensor] = {}
-        for ui, unit in enumerate(self.units):
-            layout = unit.layout
-            with self.optimizer_states.open(ui) as t:  # NVMe: one unit's state at a time
-                if self.world_size == 1:
-                    full = t.master
-                else:
-                    dev = _dist.collective_device(self.pg, self.device)
-                    full = torch.empty(layout.padded_numel, dtype=torch.float32, device=dev)
-                    _dist.all_gather_into(full, t.master.to(dev), self.pg)
-                if want:
-                    for si, s in enumerate(layout.slots):
-                        values[(ui, si)] = full[s.offset : s.end].view(s.shape).to("cpu", copy=True)
-                del full
-        if not want:
-            return {}
-        out: dict[str, Any] = {}
-        for key, (kind, what) in self._sd_index:
-            if kind == "param":
-                out[key] = values[what]
-            elif kind == "buffer":
-                dtype = self._buffer_dtypes.get(id(what), what.dtype)
-                out[key] = what.detach().to("cpu", dtype=dtype, copy=True)
-            else:
-                out[key] = what
-        return out
+        beside the result: the same unit-by-unit path as checkpoint consolidation
+        (`offload.checkpoint.full_weights`)."""
+        from offload.checkpoint.full_weights import full_state_dict
+
+        return full_state_dict(self, rank0_only)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:

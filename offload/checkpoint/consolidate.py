@@ -16,7 +16,9 @@ tensor's dtype, shape and byte range, then the bytes. Every shape and dtype is i
 manifest, so all headers are written first and each file is preallocated; then each unit's
 full flat master is assembled from the rank files (checksums verified, as `load_checkpoint`
 does) and its parameters are written at their offsets. Memory: one unit's fp32 flat buffer
-(plus the reader's window of chunks), whatever the model's size.
+(plus the reader's window of chunks), whatever the model's size. The unit-by-unit walk is
+`full_weights.stream_full_weights`, which `engine.full_state_dict()` runs too (over the live
+engine's shards instead of the files).
 
 Tied parameters: safetensors cannot store two names over one storage (`save_file` refuses
 shared tensors; `save_model` keeps one name and drops the others). We write the value
@@ -34,9 +36,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from offload.checkpoint import files, manifest
-from offload.checkpoint.load import _assemble, _records_by_rank, read_rank_state
-from offload.checkpoint.shards import DEFAULT_WINDOW, ShardReader
+from offload.checkpoint import files, full_weights, manifest
+from offload.checkpoint.load import read_rank_state
+from offload.checkpoint.shards import DEFAULT_WINDOW
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -84,8 +86,6 @@ def consolidate(
 ) -> list[str]:
     """Write the checkpoint's full weights as safetensors in `out_dir`; returns the files
     written (the index last, when there is one). One process; no engine needed."""
-    from offload.io import AIOHandle
-
     limit = parse_size(max_shard_size)
     path = checkpoint_dir(ckpt, tag)
     saved = manifest.read(path)
@@ -95,12 +95,11 @@ def consolidate(
 
     # Plan: (key, safetensors dtype, shape, bytes) in state-dict order, cut into files.
     plan = []
-    tied: dict[tuple[int, int], list[str]] = {}
+    tied = full_weights.param_keys(saved["model"])
     for entry in saved["model"]["state_dict"]:
         if entry["kind"] == "param":
             slot = units[entry["unit"]]["slots"][entry["slot"]]
             plan.append((entry["key"], "F32", slot["shape"], slot["numel"] * 4))
-            tied.setdefault((entry["unit"], entry["slot"]), []).append(entry["key"])
         elif entry["kind"] == "buffer":
             value = small["buffers"][entry["key"]]
             code = _ST_DTYPES.get(manifest.torch_dtype_name(value.dtype))
@@ -148,29 +147,15 @@ def consolidate(
                 fi, off = where[entry["key"]]
                 _pwrite_tensor(fds[fi], small["buffers"][entry["key"]], off)
 
-        # parameters, one unit at a time
-        records = _records_by_rank(path, saved)
-        handle = AIOHandle()
-        pending: dict[int, torch.Tensor] = {}
+        # parameters, one unit at a time (the path engine.full_state_dict() takes too)
+        def put(keys: list[str], value: torch.Tensor) -> None:
+            for key in keys:
+                fi, off = where[key]
+                _pwrite_tensor(fds[fi], value, off)
 
-        def groups():
-            for index, unit in units.items():
-                numel = max((s["offset"] + s["numel"] for s in unit["slots"]), default=0)
-                full = torch.empty(numel, dtype=torch.float32)  # _assemble zeroes gaps
-                pending[index] = full
-                yield index, _assemble(records, unit, "master", 0, full, saved["chunk_bytes"], index)
-
-        def on_done(index: int) -> None:
-            full = pending.pop(index)
-            for si, s in enumerate(units[index]["slots"]):
-                for key in tied.get((index, si), ()):
-                    fi, off = where[key]
-                    _pwrite_tensor(fds[fi], full[s["offset"] : s["offset"] + s["numel"]], off)
-
-        try:
-            ShardReader(handle, saved["chunk_bytes"], window).run(groups(), on_done)
-        finally:
-            handle.close()
+        full_weights.stream_full_weights(
+            saved["model"], full_weights.checkpoint_units(path, saved, window), put
+        )
         for fd in fds:
             os.fsync(fd)
     finally:

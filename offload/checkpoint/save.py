@@ -24,12 +24,14 @@ import io
 import os
 import random
 import zlib
-from typing import Any, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from offload.checkpoint import files, manifest
+from offload.checkpoint.load import _state_in_host_memory
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, Staging
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -121,20 +123,27 @@ def _write_rank(
     shards_path = os.path.join(tmp, files.shard_file(rank))
     staging = Staging.of(engine, engine.config.aio, files.io_delay_s(), chunk_bytes, window)
     writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
+    # NVMe: read the next unit's state from the swap file while this one is written.
+    states = _UnitStates(engine.optimizer, ahead=not _state_in_host_memory(engine))
     slot_steps: dict[int, list[int]] = {}
     try:
         writer.preallocate(_shards_bytes(engine))
-        for unit in engine.units:
-            with engine.optimizer.unit_state(unit.index) as state:
-                for name in _STATE_KEYS:
-                    writer.write(unit.index, name, state[name])
-                slot_steps[unit.index] = [int(s) for s in state["slot_steps"]]
-            if unit.index == engine.units[0].index:
+        indices = [unit.index for unit in engine.units]
+        for i, index in enumerate(indices):
+            state = states.open(index, writer, following=indices[i + 1 : i + 2])
+            for name in _STATE_KEYS:
+                writer.write(index, name, state[name])
+            slot_steps[index] = [int(s) for s in state["slot_steps"]]
+            # the workers read the state's tensors until then (NVMe: pooled buffers)
+            writer.when_written(states.closer(index))
+            if i == 0:
                 files.test_pause("shards")
         size = writer.finish()
     except BaseException:
-        writer.abort()
+        writer.abort()  # waits for every write before any buffer is let go
         raise
+    finally:
+        states.close_all()
     state_bytes = _state_bytes(engine, client_state, slot_steps)
     state_path = os.path.join(tmp, files.state_file(rank))
     files.write_file_durably(state_path, state_bytes)
@@ -146,6 +155,84 @@ def _write_rank(
             "crc32": zlib.crc32(state_bytes) & 0xFFFFFFFF,
         },
     }
+
+
+class _UnitStates:
+    """`optimizer.unit_state(i)` contexts, opened one unit ahead on a helper thread when
+    `ahead` (the NVMe store reads a unit's state from the swap file on entry: that read
+    then overlaps the previous unit's checkpoint writes), and closed by the writer's
+    `when_written` callback once the unit's bytes are on disk.
+
+    The NVMe store's staging pool does not wait for buffers held by open contexts: it
+    raises RuntimeError when its budget cannot hold another unit. Then the unit is opened
+    again on this thread after every earlier unit's writes have retired and their contexts
+    closed (and a failed read ahead stops reading ahead for the rest of the save); a
+    failure with nothing of this save open is the caller's, raised as is.
+    """
+
+    def __init__(self, optimizer: Any, ahead: bool) -> None:
+        self.optimizer = optimizer
+        self.ahead = ahead
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-read-ahead") if ahead else None
+        self._opened: dict[int, Any] = {}  # index -> entered context, not yet closed
+        self._next: Optional[tuple[int, Future]] = None
+
+    def _enter(self, index: int) -> tuple[Any, dict[str, Any]]:
+        cm = self.optimizer.unit_state(index)
+        return cm, cm.__enter__()
+
+    def open(self, index: int, writer: ShardWriter, following: list[int]) -> dict[str, Any]:
+        """Unit `index`'s state (entered), and the read of `following` started."""
+        got: Optional[tuple[Any, dict[str, Any]]] = None
+        if self._next is not None:
+            ahead_index, fut = self._next
+            self._next = None
+            assert ahead_index == index, (ahead_index, index)
+            try:
+                got = fut.result()
+            except RuntimeError:
+                self.ahead = False  # the budget holds too few units: read in turn from now on
+        if got is None:
+            try:
+                got = self._enter(index)
+            except RuntimeError:
+                if not self._opened:
+                    raise  # nothing of this save holds the budget: not ours to fix
+                writer.settle()  # earlier units' writes done, their contexts closed
+                got = self._enter(index)
+        cm, state = got
+        self._opened[index] = cm
+        if self.ahead and following:
+            self._next = (following[0], self._pool.submit(self._enter, following[0]))
+        return state
+
+    def closer(self, index: int) -> Callable[[], None]:
+        def close() -> None:
+            cm = self._opened.pop(index, None)
+            if cm is not None:
+                cm.__exit__(None, None, None)
+
+        return close
+
+    def close_all(self) -> None:
+        """Once the writer is drained: close what is still open (after an error), quietly,
+        and stop the helper thread."""
+        if self._next is not None:
+            _, fut = self._next
+            self._next = None
+            try:
+                cm, _ = fut.result()
+                self._opened[-1] = cm
+            except BaseException:
+                pass
+        for cm in list(self._opened.values()):
+            try:
+                cm.__exit__(None, None, None)
+            except BaseException:
+                pass
+        self._opened.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _shards_bytes(engine: Any) -> int:
