@@ -274,7 +274,9 @@ class IORequest:
     """A read or write in flight. ``wait()`` blocks without the GIL and raises its error.
 
     The request holds its tensor until done, so dropping the request early never frees memory
-    the engine still writes to (the handle also keeps it until done).
+    the engine still writes to (the handle also keeps it until done) — and not after: a
+    finished request kept as a record (a swap slot's last write) must not keep a pooled
+    buffer alive once the pool has let it go.
     """
 
     __slots__ = ("_native", "_buffer", "op")
@@ -304,16 +306,22 @@ class IORequest:
 
     def done(self) -> bool:
         """True once the request has finished, successfully or not. Never blocks."""
-        return self._native.done()
+        if self._native.done():
+            self._buffer = None
+            return True
+        return False
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until done; raise its OSError if it failed, TimeoutError after ``timeout`` s."""
         try:
             done = self._native.wait(-1.0 if timeout is None else max(0.0, timeout))
         except OSError as exc:
+            self._buffer = None
             if self._native.short_read:
                 raise ShortReadError(exc.errno, exc.strerror, exc.filename) from None
             raise
+        if done:
+            self._buffer = None
         if not done:
             raise TimeoutError(
                 f"{self.op} of {self.nbytes} bytes at offset {self.offset} of '{self.path}' "

@@ -239,6 +239,30 @@ def test_write_never_truncates_or_touches_other_bytes(tmp_path, handle):
     assert torch.equal(file_bytes(path, 0, 3 * MiB), expect)
 
 
+def test_a_finished_request_lets_go_of_its_buffer(tmp_path, handle):
+    """A request kept as a record after it finished (a swap slot's last write) must not keep
+    its buffer alive: a buffer pool that drops the buffer must get the memory back."""
+    import gc
+    import weakref
+
+    path = str(tmp_path / "f")
+    for via in ("wait", "done"):
+        buf = aligned_empty(1 << 20)
+        buf.fill_(7)
+        ref = weakref.ref(buf)
+        req = handle.pwrite(buf, path)
+        del buf
+        assert ref() is not None  # in flight (or not yet observed done): held
+        if via == "wait":
+            req.wait()
+        else:
+            while not req.done():
+                time.sleep(0.001)
+        gc.collect()
+        assert ref() is None, f"the request still holds its buffer after {via}()"
+        req.wait()  # still answers
+
+
 def test_zero_byte_requests_complete(tmp_path, handle):
     empty = torch.empty(0, dtype=torch.uint8)
     handle.pwrite(empty, tmp_path / "z", offset=4096).wait()
