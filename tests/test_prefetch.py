@@ -400,3 +400,35 @@ def test_gradient_shards_are_transient_when_every_update_runs_in_backward(tmp_pa
         engine.close()
     assert held["in_backward"] == 0
     assert held["deferred"] == shard_bytes > 0
+
+
+# -- CUDA (skipped without a GPU) ----------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("param_tier,optimizer_tier", [("cpu", "cpu"), ("nvme", "nvme"), ("device", "nvme")])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_prefetch_is_bit_identical_to_on_demand(param_tier, optimizer_tier, mode, tmp_path):
+    """On a GPU the host tier's shards are copied up on a side stream ahead of use and the
+    NVMe reads land in pinned buffers: the same GPU run with every scheduling feature off
+    must give the same bits (same kernels, same inputs), and prefetch must have run."""
+
+    def run(prefetch: PrefetchConfig):
+        cfg = config(tmp_path, param_tier, optimizer_tier, mode=mode, prefetch=prefetch)
+        cfg = Config(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "compute_device": "cuda"})
+        m = build("gpt")
+        engine = offload.initialize(m, cfg)
+        for x, y in gpt_batches(6):
+            engine.backward(engine(x, y))
+            engine.step()
+        stats = engine.step_stats()
+        sd = engine.full_state_dict()
+        engine.close()
+        return sd, stats
+
+    on, stats = run(ON)
+    off, _ = run(OFF)
+    for k, v in off.items():
+        assert torch.equal(on[k], v), k
+    if param_tier in ("cpu", "nvme"):
+        assert stats["prefetched"] >= 3, stats
