@@ -14,6 +14,7 @@ the trace follows order changes, and the stats and Chrome trace are what they cl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -415,7 +416,7 @@ def test_cuda_prefetch_is_bit_identical_to_on_demand(param_tier, optimizer_tier,
 
     def run(prefetch: PrefetchConfig):
         cfg = config(tmp_path, param_tier, optimizer_tier, mode=mode, prefetch=prefetch)
-        cfg = Config(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "compute_device": "cuda"})
+        cfg = dataclasses.replace(cfg, compute_device="cuda")
         m = build("gpt")
         engine = offload.initialize(m, cfg)
         for x, y in gpt_batches(6):
