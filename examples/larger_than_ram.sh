@@ -12,7 +12,7 @@
 # Settings (environment): SIZE (train_gpt.py preset, default 4b), STEPS (3), SEQ (32),
 # BATCH (1), OUT (logs, default /work/bigrun), NVME (swap directory on a local disk, default
 # $OUT/swap; not tmpfs), PINNED (staging pool bytes, default 1.2e9: one 4b block's working
-# set), RSS_BUDGET (default 19GiB), MOMENTS (fp32; bf16 saves 4 B/param of disk),
+# set), RSS_BUDGET (default 4GiB), MOMENTS (fp32; bf16 saves 4 B/param of disk),
 # CLIP (gradient clipping, default 0: every unit is then updated during backward and its
 # fp32 gradient shard is transient, 4 B/param less host memory; 1.0 keeps them all),
 # SKIP_PLAIN=1 to skip step 1, DRY_RUN=1 to stop after the checks. It refuses to start when MemAvailable is below the planner's
@@ -28,7 +28,7 @@ BATCH="${BATCH:-1}"
 OUT="${OUT:-/work/bigrun}"
 NVME="${NVME:-$OUT/swap}"
 PINNED="${PINNED:-1200000000}"
-RSS_BUDGET="${RSS_BUDGET:-19GiB}"
+RSS_BUDGET="${RSS_BUDGET:-4GiB}"
 MOMENTS="${MOMENTS:-fp32}"
 CLIP="${CLIP:-0}"
 PY="${PYTHON:-python3}"
