@@ -291,6 +291,14 @@ class NVMeOptimizerStates:
     def checkin(self, index: int, t: UnitTensors) -> None:
         self._write(index, t._buffers[0], t.holds)
 
+    def checkout_overwrite(self, index: int) -> UnitTensors:
+        """A pooled buffer laid out as unit `index`'s slot, not read (the caller fills every
+        tensor: a checkpoint load reads its chunks straight into it); `checkin` writes it."""
+        self.cancel_prefetch(index)
+        self._wait_write(index)  # the new write must land after the old one
+        buf = self._ctx.staging.acquire(self.layouts[index].nbytes)
+        return self._views(index, buf)
+
     def abandon(self, index: int, t: UnitTensors) -> None:
         wait_quietly(t.holds)
         self._ctx.staging.release(t._buffers[0])

@@ -314,6 +314,33 @@ class ShardedAdam(torch.optim.Optimizer):
             st.slot_steps = [int(s) for s in state["slot_steps"]]
             _publish_master(self, st, t.master)
 
+    def begin_overwrite(self, index: int) -> Optional[UnitTensors]:
+        """For a loader that fills unit `index`'s whole state itself: the tensors to fill
+        (pooled, laid out as the NVMe slot, so reads land there and one write stores them),
+        or None when the store keeps the state in host memory (use `unit_state`)."""
+        checkout = getattr(self.store, "checkout_overwrite", None)
+        if checkout is None:
+            return None
+        return checkout(self._state_of(index).unit.index)
+
+    def end_overwrite(self, index: int, t: UnitTensors, slot_steps: Any) -> None:
+        """Finish `begin_overwrite`: step counts, the parameter shard republished from the
+        new master, the state written to the swap file (asynchronously)."""
+        st = self._state_of(index)
+        if len(slot_steps) != len(st.slot_steps):
+            self.store.abandon(st.unit.index, t)
+            raise ValueError(f"unit {st.unit.name or '<root>'}: {len(slot_steps)} step counts for {len(st.slot_steps)} slots")
+        st.slot_steps = [int(v) for v in slot_steps]
+        try:
+            _publish_master(self, st, t.master)
+        except BaseException:
+            self.store.abandon(st.unit.index, t)
+            raise
+        self.store.checkin(st.unit.index, t)
+
+    def abandon_overwrite(self, index: int, t: UnitTensors) -> None:
+        self.store.abandon(self._state_of(index).unit.index, t)
+
     def _state_of(self, index: int) -> UnitOptimizerState:
         for st in self.unit_states:
             if st.unit.index == index:

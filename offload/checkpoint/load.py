@@ -21,9 +21,10 @@ unit went through two page-aligned buffer sets and then `load_unit_state`'s copy
 main thread: measured on the 2-core VM, that copy alone was half of a 0.76 GB load
 (0.20 of 0.41 s). The live tensors are not 4 KiB aligned (the CPU allocator aligns to
 64 bytes), so O_DIRECT cannot land in them: one copy remains, off the main thread.
-With the state on NVMe the pooled tensors are valid only inside `unit_state`, so chunks
-land in two sets of page-aligned buffers used in turn (read straight into them, no
-staging copy), and `load_unit_state` writes each unit through to the swap file.
+With the state on NVMe, each unit's chunks land straight in a pooled buffer laid out as its
+swap slot (`ShardedAdam.begin_overwrite`, not read first), which one asynchronous write
+then stores (`end_overwrite`) while the next unit's chunks are read: no copy, and the
+swap write overlaps the checkpoint reads.
 
 Re-sharding and RNG: a rank that existed in the saving run gets its own RNG states and
 `client_state` back; a rank beyond the saved world size gets rank 0's `client_state` and
@@ -49,7 +50,6 @@ from offload.checkpoint.shards import (
     ReadJob,
     ShardReader,
     chunk_jobs,
-    huge_aligned_empty,
 )
 
 
@@ -97,10 +97,7 @@ def load_units(
     engine: Any, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
     *, window: int = DEFAULT_WINDOW,
 ) -> None:
-    from offload.step import moments_dtype
-
     staging = Staging.of(engine, engine.config.aio, 0.0, saved["chunk_bytes"], window)
-    mdtype = moments_dtype(engine.config.optimizer.moments_dtype)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
     records = _records_by_rank(path, saved)
     pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -108,13 +105,8 @@ def load_units(
 
     # Where each unit's chunks land ([Note: load destinations]).
     in_place = _state_in_host_memory(engine)
-    if not in_place:
-        most = max(u.layout.shard_numel for u in engine.units)
-        most_opt = max(u.layout.shard_optimized_numel(rank) for u in engine.units)
-        sets = [
-            (_aligned(most, torch.float32), _aligned(most_opt, mdtype), _aligned(most_opt, mdtype))
-            for _ in range(2)
-        ]
+    slots: dict[int, Any] = {}
+    """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
 
     def groups() -> Iterator[tuple[int, list[ReadJob]]]:
         for i, unit in enumerate(engine.units):
@@ -126,12 +118,11 @@ def load_units(
                     dest = {name: live[name] for name in ("master", "exp_avg", "exp_avg_sq")}
                 _check_live(unit, dest, layout.shard_numel, n_opt)
             else:
-                master, exp_avg, exp_avg_sq = sets[i % 2]
-                dest = {
-                    "master": master[: layout.shard_numel],
-                    "exp_avg": exp_avg[:n_opt],
-                    "exp_avg_sq": exp_avg_sq[:n_opt],
-                }
+                t = engine.optimizer.begin_overwrite(unit.index)
+                if t is None:
+                    raise RuntimeError("the optimizer store hands out neither live tensors nor slots")
+                slots[unit.index] = t
+                dest = {"master": t.master, "exp_avg": t.exp_avg, "exp_avg_sq": t.exp_avg_sq}
             pending[unit.index] = dest
             old = old_units[unit.name]
             lo = rank * layout.shard_numel
@@ -143,12 +134,31 @@ def load_units(
     def on_done(index: int) -> None:
         dest = pending.pop(index)
         unit = next(u for u in engine.units if u.index == index)
-        dest["slot_steps"] = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
+        steps = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
+        if index in slots:
+            # read straight into the slot's buffer: one asynchronous write stores it
+            engine.optimizer.end_overwrite(index, slots.pop(index), steps)
+            return
+        dest["slot_steps"] = steps
         engine.optimizer.load_unit_state(index, dest)
 
-    with _one_torch_thread():
-        reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
-        reader.run(groups(), on_done, max_open_groups=2)
+    try:
+        with _one_torch_thread():
+            reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
+            reader.run(groups(), on_done, max_open_groups=_open_units(engine, in_place))
+    finally:
+        for index, t in slots.items():  # a failed load: buffers back, nothing written
+            engine.optimizer.abandon_overwrite(index, t)
+
+
+def _open_units(engine: Any, in_place: bool) -> int:
+    """Units whose chunks may be in flight at once: two (the next unit's reads overlap this
+    one's swap write), or one when the pinned pool holds only one NVMe slot buffer."""
+    if in_place:
+        return 2
+    store = engine.optimizer.store
+    largest = max((lay.nbytes for lay in store.layouts), default=0)
+    return 2 if 2 * largest <= engine.nvme.staging.budget_bytes else 1
 
 
 def _state_in_host_memory(engine: Any) -> bool:
@@ -165,11 +175,6 @@ def _check_live(unit: Any, dest: dict[str, torch.Tensor], shard_numel: int, n_op
                 f"unit {unit.name or '<root>'} {name}: the host optimizer state is not a "
                 f"contiguous CPU tensor of {want} elements ({tuple(t.shape)} on {t.device})"
             )
-
-
-def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_aligned_empty(numel * itemsize).view(dtype)  # whole huge pages: faster O_DIRECT
 
 
 @contextlib.contextmanager
