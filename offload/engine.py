@@ -757,25 +757,8 @@ class Engine:
         unit = self.units[u]
         if unit.is_gathered or unit.gathering:
             return
-        entry = self.prefetcher.take(u)
-        ahead = entry is not None
-        if entry is None:
-            entry = self.prefetcher.fetch_now(u)
-        cur = self.timeline.current
-        if cur is not None and entry is not None:
-            cur.prefetched += int(ahead)
-            cur.on_demand += int(not ahead)
-        local, filled = None, False
+        entry, local, filled = self._local_shard(unit)
         try:
-            if entry is not None:
-                t0 = now()
-                if isinstance(entry.what, ReadAhead):
-                    entry.what.pending.wait()
-                    local = entry.what.local
-                else:
-                    entry.what.ready_on_compute_stream()
-                    filled = True
-                self.timeline.count("fetch_wait", now() - t0)
             t0 = now()
             issued = unit.start_gather(local=local, filled=filled)
             t1 = now()
@@ -798,34 +781,8 @@ class Engine:
             issued = self._gather_issued.pop(unit.index, t0)
             tl.add(f"gather {unit.name or '<root>'}", "gather", "comm", issued, t1, unit.index, ahead=True)
             return
-        entry = self.prefetcher.take(unit.index)
-        ahead = entry is not None
-        if entry is None:
-            entry = self.prefetcher.fetch_now(unit.index)
-        cur = tl.current
-        if cur is not None and entry is not None:
-            cur.prefetched += int(ahead)
-            cur.on_demand += int(not ahead)
-        local, filled = None, False
+        entry, local, filled = self._local_shard(unit)
         try:
-            if entry is not None:
-                t0 = now()
-                if isinstance(entry.what, ReadAhead):
-                    entry.what.pending.wait()
-                    local = entry.what.local
-                else:
-                    entry.what.ready_on_compute_stream()
-                    filled = True
-                t1 = now()
-                tl.count("fetch_wait", t1 - t0)
-                if filled:
-                    tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
-                if tl.enabled:
-                    kind = "read" if local is not None else "copy"
-                    tl.add(f"{kind} {unit.name or '<root>'}", kind, "io", entry.started,
-                           entry.done_at or t1, unit.index, ahead=ahead)
-                    if t1 - t0 > 1e-5:
-                        tl.add(f"wait {unit.name or '<root>'}", "wait", "compute", t0, t1, unit.index)
             t1 = now()
             unit.gather(local=local, filled=filled)
             t2 = now()
@@ -834,6 +791,46 @@ class Engine:
                 entry.drop()  # the staging buffer goes back once copied into `full`
         tl.count("collective", t2 - t1)
         tl.add(f"gather {unit.name or '<root>'}", "gather", "compute", t1, t2, unit.index)
+
+    def _local_shard(self, unit: FlatUnit) -> tuple[Any, Optional[torch.Tensor], bool]:
+        """This rank's shard of `unit`, for its gather: the prefetcher's entry (or one
+        fetched now), waited for. Returns (entry, local, filled): `local` is the shard in a
+        pooled host buffer (the caller drops the entry once it is copied), `filled` says a
+        CUDA copy already put it in the unit's slot; (None, None, False) when the tier's
+        shard is gathered from where it lives. Counts the wait and records the spans."""
+        tl = self.timeline
+        entry = self.prefetcher.take(unit.index)
+        ahead = entry is not None
+        if entry is None:
+            entry = self.prefetcher.fetch_now(unit.index)
+        if entry is None:
+            return None, None, False
+        cur = tl.current
+        if cur is not None:
+            cur.prefetched += int(ahead)
+            cur.on_demand += int(not ahead)
+        t0 = now()
+        if isinstance(entry.what, ReadAhead):
+            try:
+                entry.what.pending.wait()
+            except BaseException:
+                entry.drop()
+                raise
+            local, filled = entry.what.local, False
+        else:
+            entry.what.ready_on_compute_stream()
+            local, filled = None, True
+        t1 = now()
+        tl.count("fetch_wait", t1 - t0)
+        if filled:
+            tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
+        if tl.enabled:
+            kind = "copy" if filled else "read"
+            name = unit.name or "<root>"
+            tl.add(f"{kind} {name}", kind, "io", entry.started, entry.done_at or t1, unit.index, ahead=ahead)
+            if t1 - t0 > 1e-5:
+                tl.add(f"wait {name}", "wait", "compute", t0, t1, unit.index)
+        return entry, local, filled
 
     def _start_backward(self) -> None:
         """Decide, once per backward pass, whether units update as their gradients finish."""
