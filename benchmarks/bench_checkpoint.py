@@ -47,15 +47,9 @@ from benchmarks._common import (
     write_json,
 )
 
+from offload.plan import parse_count  # noqa: E402  ('64M', '1.3B', '7e9')
+
 GB = 1e9
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * mult)
-    return int(text)
 
 
 class Stack(nn.Module):

@@ -121,28 +121,13 @@ class HostOptimizerStates:
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
     ) -> Iterator[tuple[int, UnitTensors]]:
         for i in indices:
-            st = self._states[i]
-            nbytes = scratch_bytes(i)
-            buf = None
-            if nbytes:
-                if self._staging is None:
-                    raise RuntimeError("scratch bytes asked of a host store without a staging pool")
-                buf = self._staging.acquire(nbytes)
-            t = UnitTensors(st.master, st.exp_avg, st.exp_avg_sq, scratch=buf,
-                            _buffers=() if buf is None else (buf,))
+            t = self.checkout(i, scratch_bytes(i))
             try:
                 yield i, t
             except BaseException:
-                wait_quietly(t.holds)
-                if buf is not None:
-                    self._staging.release(buf)
+                self.abandon(i, t)
                 raise
-            if buf is not None:
-                staging = self._staging
-                self._staging.track(Pending(t.holds, release=lambda b=buf: staging.release(b)))
-            else:
-                for h in t.holds:
-                    h.wait()
+            self.checkin(i, t)
 
     def checkout(self, index: int, scratch_bytes: int) -> UnitTensors:
         """Unit `index`'s tensors for one update (the optimizer-in-backward path), with

@@ -266,24 +266,11 @@ class FlatUnit:
             self._finish_gather()
             return
         _alloc_storage(self.full)
-        n = self.layout.shard_numel
-        r = self.pg.rank
         if self._coll_device == self.device:
-            slot = self.full[r * n : (r + 1) * n]
-            if filled:
-                src = slot
-            elif local is not None:
-                slot.copy_(local)
-                src = slot
-            else:
-                src = self.tier.view(self.key)
-                if src is None or src.device != self.device:
-                    # Stage this rank's shard into its own slot of `full`, then gather in place.
-                    src = slot
-                    wait(self.tier.fetch(self.key, src))
-            _dist.all_gather_into(self.full, src, self.pg)
+            _dist.all_gather_into(self.full, self._own_shard(local, filled), self.pg)
         else:
             # gloo with a GPU compute device: gather in host memory, then one copy up.
+            n, r = self.layout.shard_numel, self.pg.rank
             full_host = torch.empty(self.layout.padded_numel, dtype=self.dtype)
             slot = full_host[r * n : (r + 1) * n]
             if filled:
@@ -296,28 +283,40 @@ class FlatUnit:
             self.full.copy_(full_host)
         self.state = UnitState.GATHERED
 
+    def _own_shard(self, local: Optional[torch.Tensor], filled: bool) -> torch.Tensor:
+        """This rank's shard on the compute device, for the all-gather: its slot of `full`
+        (already filled, or filled now from `local` or from the tier), or the tier's own
+        tensor when that is already on the compute device. `full` must have its bytes."""
+        n, r = self.layout.shard_numel, self.pg.rank
+        slot = self.full[r * n : (r + 1) * n]
+        if filled:
+            return slot
+        if local is not None:
+            slot.copy_(local)
+            return slot
+        own = self.tier.view(self.key)
+        if own is not None and own.device == self.device:
+            return own
+        wait(self.tier.fetch(self.key, slot))  # stage into its slot, then gather in place
+        return slot
+
     def start_gather(self, local: Optional[torch.Tensor] = None, filled: bool = False) -> bool:
         """Issue this unit's all-gather ahead of its use (the schedule's last stage; world
         size > 1, the collective on the compute device) and return; `gather()` then waits
         for it. Every rank must issue the same gathers in the same order, which the
         schedule guarantees by issuing them at the same trace positions. False when there
-        is nothing to issue (gathered, in flight, or the gloo-with-GPU path)."""
+        is nothing to issue (gathered, in flight, or the gloo-with-GPU path). `local` is
+        copied before this returns (the caller may reuse its buffer)."""
         if self.state is not UnitState.SHARDED or self.pg.world_size == 1:
             return False
         if self._coll_device != self.device:
             return False
         _alloc_storage(self.full)
-        n = self.layout.shard_numel
-        r = self.pg.rank
+        n, r = self.layout.shard_numel, self.pg.rank
         slot = self.full[r * n : (r + 1) * n]
-        if not filled:
-            if local is None:
-                local = self.tier.view(self.key)
-                if local is None or local.device != self.device:
-                    wait(self.tier.fetch(self.key, slot))
-                    local = slot
-            if local.data_ptr() != slot.data_ptr():
-                slot.copy_(local)
+        src = self._own_shard(local, filled)
+        if src.data_ptr() != slot.data_ptr():
+            slot.copy_(src)  # the collective reads its input later: not the live shard
         self._gather_work = _dist.all_gather_into(self.full, slot, self.pg, async_op=True)
         self.state = UnitState.GATHERING
         return True
@@ -346,32 +345,12 @@ class FlatUnit:
     # -- gradients ------------------------------------------------------------------------
 
     def start_reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool) -> "GradReduce":
-        """Issue the reduce-scatter of this unit's gradients into `grad_shard` and return
-        at once (world size > 1): the collective runs while backward goes on to earlier
-        units; `GradReduce.wait()` completes it (and adds into the shard when
-        `accumulate`). The unit's full gradients are dropped here, so the unit can be freed
-        right away. At world size 1 it completes before returning."""
-        if self.pg.world_size == 1:
-            return GradReduce(self.reduce_scatter_grads(grad_shard, accumulate))
-        params = self.params
-        have = [p.grad is not None for p in params]
-        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
-        for p, s, h in zip(params, self.layout.slots, have):
-            if h:
-                flat[s.offset : s.end].copy_(p.grad.reshape(-1))
-                p.grad = None
-        direct = not accumulate and grad_shard.device == self._coll_device
-        out = grad_shard if direct else torch.empty(
-            self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
-        )
-        work = _dist.reduce_scatter_mean(out, flat, self.pg, async_op=True)
-        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate))
-
-    def reduce_scatter_grads(self, grad_shard: torch.Tensor, accumulate: bool) -> list[bool]:
         """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, the
-        rank's shard, host), adding to it when `accumulate`; drop the full gradients.
-        Returns, per slot, whether its parameter had a local gradient. With more than one
-        rank the collective runs regardless: every rank must take part."""
+        rank's shard, host), adding to it when `accumulate`; drop the full gradients, so
+        the unit can be freed at once. With more than one rank the collective is only
+        issued (it runs while backward goes on to earlier units) and `GradReduce.wait()`
+        completes it; every rank must take part. `GradReduce.have[i]`: slot i had a local
+        gradient."""
         params = self.params
         have = [p.grad is not None for p in params]
         if self.pg.world_size == 1 and grad_shard.device == self.device:
@@ -386,7 +365,7 @@ class FlatUnit:
                     p.grad = None
                 elif not accumulate:
                     dst.zero_()
-            return have
+            return GradReduce(have)
         # Gradients are reduced in fp32 whatever the compute dtype: averaging bf16 partial
         # sums across ranks would round each one to 8 bits of mantissa.
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
@@ -394,17 +373,12 @@ class FlatUnit:
             if h:
                 flat[s.offset : s.end].copy_(p.grad.reshape(-1))
                 p.grad = None
-        if not accumulate and grad_shard.device == self._coll_device:
-            _dist.reduce_scatter_mean(grad_shard, flat, self.pg)
-        else:
-            out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._coll_device)
-            _dist.reduce_scatter_mean(out, flat, self.pg)
-            if accumulate:
-                grad_shard.add_(out.to(grad_shard.device))
-            else:
-                grad_shard.copy_(out)
-        del flat
-        return have
+        direct = not accumulate and grad_shard.device == self._coll_device
+        out = grad_shard if direct else torch.empty(
+            self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
+        )
+        work = _dist.reduce_scatter_mean(out, flat, self.pg, async_op=self.pg.world_size > 1)
+        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate))
 
     def full_bytes(self) -> int:
         """Bytes the full buffer holds right now (0 when freed or aliased)."""
