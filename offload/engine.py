@@ -731,19 +731,11 @@ class Engine:
     def _prefetch_next_iteration(self) -> None:
         """Between iterations (after a step, or between micro-batches): start fetching the
         first units the next forward will need, the root first."""
-        for u in self.schedule.next_iteration():
-            if u in self.prefetcher.pending or self.units[u].is_gathered:
-                continue
-            if not self.prefetcher.start(u):
-                break
+        self.prefetcher.start_in_order(self.schedule.next_iteration())
 
     def _prefetch_ahead(self) -> None:
         """Start fetching the units the trace needs next, within the prefetch budget."""
-        for u in self.schedule.ahead():
-            if u in self.prefetcher.pending or self.units[u].is_gathered:
-                continue
-            if not self.prefetcher.start(u):
-                break  # no buffer now (or nothing to fetch ahead): the rest on demand
+        self.prefetcher.start_in_order(self.schedule.ahead())
 
     def _gather_next(self) -> None:
         """Issue the all-gather of the next unit on the trace now (world size > 1), so it

@@ -254,6 +254,16 @@ class Prefetcher:
         self.pending[index] = _Entry(_CudaCopy(unit, self._stream), now())
         return True
 
+    def start_in_order(self, indices: Sequence[int]) -> None:
+        """Start fetching these units, in order, skipping those already started or gathered,
+        and stopping at the first that cannot start now (no buffer, or nothing to fetch for
+        this tier): the rest are fetched later or on demand, never out of order."""
+        for index in indices:
+            if index in self.pending or self.units[index].is_gathered:
+                continue
+            if not self.start(index):
+                break
+
     def poll(self) -> None:
         """Note which fetches have completed (never blocks): their timeline spans then end
         when the bytes landed, not when the gather got to them."""
