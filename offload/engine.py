@@ -1175,12 +1175,22 @@ class Engine:
 
         return save_checkpoint(self, save_dir, tag, client_state)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None) -> tuple[str, Any]:
+    def load_checkpoint(
+        self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None
+    ) -> tuple[str, Any]:
         """Resume from `load_dir/<tag>` (default: the one `latest` names), also from a run
-        with another world size. Every rank calls it. Returns (path, client_state)."""
+        with another world size. Every rank calls it. Returns (path, client_state).
+
+        `copy_to_swap` (optimizer state on NVMe only): False reads each unit's state from
+        the checkpoint's files until the unit's first update rewrites it to the swap file
+        (the files are held open, so deleting the checkpoint afterwards is safe); True
+        copies it all into the swap file during the load; None (default) reads in place when
+        the checkpoint is on the swap directory's filesystem and copies otherwise (a
+        checkpoint on slower shared storage should not be read during training). Either way
+        every chunk's checksum is verified during the load. See docs/checkpoint.md."""
         from offload.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag)
+        return load_checkpoint(self, load_dir, tag, copy_to_swap=copy_to_swap)
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -31,6 +31,19 @@ so the pipeline overlaps as deep as the budget allows: 3 units' working sets giv
 read / update / write overlap, 1 runs the stages one after another. Writes are not waited for
 at the end of the step: they finish behind the next forward, and anything that reads a slot
 first waits on its last write ([Note: slot ordering] in offload/nvme.py).
+
+[Note: adopted state]
+A checkpoint load at the saving world size, with the same layout and dtypes, finds each
+unit's state in the checkpoint exactly as the slot holds it: master and moments each a
+page-aligned run of bytes in the rank's shard file. Copying them into the swap file would
+make every byte cross the disk twice (read, write) for nothing: the unit's next update
+reads its state and writes it back anyway. So the load verifies every chunk's checksum as
+before and then `adopt`s the unit: the store records where its tensors lie in the
+checkpoint file (`StateSource`), holds the file open ([Note: held files] in
+offload/nvme.py), and reads from there instead of the slot. The unit's next write (its
+first update, a load, `initialize`) goes to the slot as always and drops the source, so
+after one step nothing refers to the checkpoint any more. A load then costs one read of the
+state instead of a read and a write.
 """
 
 from __future__ import annotations
@@ -67,6 +80,15 @@ def state_layout(master_numel: int, moment_numel: int, moment_itemsize: int) -> 
     m = align_up(master_numel * 4)
     a = align_up(moment_numel * moment_itemsize)
     return StateLayout(master_numel, moment_numel, moment_itemsize, m, m + a, m + 2 * a)
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """Where an adopted unit's state lies outside the swap file: `parts` are
+    (file offset, offset in the slot layout, bytes) runs of `path`, all 4 KiB-aligned."""
+
+    path: str
+    parts: tuple[tuple[int, int, int], ...]
 
 
 @dataclass
@@ -195,6 +217,9 @@ class NVMeOptimizerStates:
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
         self._prefetched: dict[int, tuple[torch.Tensor, Pending]] = {}
         """Reads submitted ahead of the step (`prefetch`), consumed by `stream`."""
+        self._sources: dict[int, StateSource] = {}
+        """Adopted units: where their state is read from until their next write
+        ([Note: adopted state])."""
 
     @property
     def path(self) -> str:
@@ -287,6 +312,37 @@ class NVMeOptimizerStates:
     def abandon(self, index: int, t: UnitTensors) -> None:
         wait_quietly(t.holds)
         self._ctx.staging.release(t._buffers[0])
+
+    def adopt(self, index: int, t: UnitTensors, source: StateSource) -> None:
+        """Finish a `checkout_overwrite` without writing: `t` holds exactly the bytes
+        `source` describes (the caller read and verified them there), so the unit is read
+        from `source` until its next write ([Note: adopted state]). The buffer goes back
+        once `t.holds` are done."""
+        lay = self.layouts[index]
+        covered = sorted((at, at + n) for _, at, n in source.parts)
+        want = [(0, align_up(lay.master_numel * 4))]
+        if lay.moment_numel:
+            n = align_up(lay.moment_numel * lay.moment_itemsize)
+            want += [(lay.exp_avg_offset, lay.exp_avg_offset + n),
+                     (lay.exp_avg_sq_offset, lay.exp_avg_sq_offset + n)]
+        if covered != [w for w in want if w[1] > w[0]] or any(
+            fo % 4096 for fo, _, _ in source.parts
+        ):
+            self.abandon(index, t)
+            raise ValueError(f"unit {index}: {source} does not lay out the slot {lay}")
+        self.cancel_prefetch(index)
+        self._wait_write(index)
+        self._drop_source(index)
+        self._ctx.files.hold(source.path)
+        self._sources[index] = source
+        self._swap.mark_written(index)  # readable: from its source
+        staging = self._ctx.staging
+        buf = t._buffers[0]
+        staging.track(Pending(t.holds, release=lambda: staging.release(buf)))
+
+    def adopted(self) -> list[int]:
+        """Units read from a checkpoint file until their next write."""
+        return sorted(self._sources)
 
     def reclaim(self) -> bool:
         """`Staging.reclaimers` hook: drop the reads started ahead; True if there were any."""
@@ -394,11 +450,28 @@ class NVMeOptimizerStates:
 
     def _read(self, index: int, buf: torch.Tensor) -> Pending:
         self._wait_write(index)  # [Note: slot ordering]
-        slot = self._swap.check_readable(index)
         ctx = self._ctx
+        source = self._sources.get(index)
+        if source is not None:  # [Note: adopted state]
+            name = ctx.files.read_path(source.path)
+            reqs = []
+            try:
+                for file_offset, at, n in source.parts:
+                    reqs.append(ctx.aio.pread(buf[at : at + n], name, file_offset))
+            except BaseException:
+                wait_quietly(reqs)
+                raise
+            ctx.stats.bytes_read += sum(n for _, _, n in source.parts)
+            return Pending(reqs, stats=ctx.stats)
+        slot = self._swap.check_readable(index)
         req = ctx.aio.pread(buf[: slot.nbytes], self._swap.path, slot.offset)
         ctx.stats.bytes_read += slot.nbytes
         return Pending([req], stats=ctx.stats)
+
+    def _drop_source(self, index: int) -> None:
+        source = self._sources.pop(index, None)
+        if source is not None:
+            self._ctx.files.release(source.path)
 
     def _write(self, index: int, buf: torch.Tensor, holds: Sequence[Any]) -> None:
         """Write the state from `buf` (and let `holds` finish); the buffer goes back to the
@@ -414,6 +487,7 @@ class NVMeOptimizerStates:
             ctx.staging.release(buf)
             raise
         ctx.stats.bytes_written += slot.nbytes
+        self._drop_source(index)  # the slot holds the unit's state from now on
         written = Pending(
             [req], on_error=lambda: self._swap.mark_written(index, False), stats=ctx.stats
         )

@@ -323,9 +323,13 @@ class ShardedAdam(torch.optim.Optimizer):
             return None
         return checkout(self._state_of(index).unit.index)
 
-    def end_overwrite(self, index: int, t: UnitTensors, slot_steps: Any) -> None:
+    def end_overwrite(
+        self, index: int, t: UnitTensors, slot_steps: Any, source: Any = None
+    ) -> None:
         """Finish `begin_overwrite`: step counts, the parameter shard republished from the
-        new master, the state written to the swap file (asynchronously)."""
+        new master, the state written to the swap file (asynchronously) — or, with
+        `source` (a `StateSource` holding exactly these bytes), left there and read from it
+        until the unit's next write ([Note: adopted state] in offload/optim_state.py)."""
         st = self._state_of(index)
         if len(slot_steps) != len(st.slot_steps):
             self.store.abandon(st.unit.index, t)
@@ -336,7 +340,10 @@ class ShardedAdam(torch.optim.Optimizer):
         except BaseException:
             self.store.abandon(st.unit.index, t)
             raise
-        self.store.checkin(st.unit.index, t)
+        if source is not None:
+            self.store.adopt(st.unit.index, t, source)
+        else:
+            self.store.checkin(st.unit.index, t)
 
     def abandon_overwrite(self, index: int, t: UnitTensors) -> None:
         self.store.abandon(self._state_of(index).unit.index, t)

@@ -200,6 +200,99 @@ def test_nvme_save_with_a_budget_for_one_unit_falls_back_to_reading_in_turn(tmp_
     second.close()
 
 
+def _state_bytes(engine) -> int:
+    return sum(lay.nbytes for lay in engine.optimizer.store.layouts)
+
+
+@pytest.mark.parametrize("copy_to_swap", [None, True])
+def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tmp_path, copy_to_swap):
+    """By default a same-world-size load leaves the optimizer state in the checkpoint's
+    files (checksums verified) and writes nothing to the swap file; the first step moves
+    each unit to its slot and lets go of the files. The checkpoint may be deleted right
+    after the load, and a save before any step reads the state from where it lies. With
+    copy_to_swap=True the whole state is written to the swap file during the load. Both
+    resume exactly."""
+    if not nvme_available():
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    swap = str(tmp_path / "swap")
+    os.makedirs(swap)
+    seed_all(1)
+    straight = build("fp32", "nvme", swap)
+    train(straight, 2 * N)
+    want = straight.full_state_dict()
+    straight.close()
+
+    seed_all(1)
+    first = build("fp32", "nvme", swap)
+    train(first, N)
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+
+    seed_all(99)
+    second = build("fp32", "nvme", swap, seed=7)
+    units = sorted(u.index for u in second.units)
+    written = second.nvme.stats.bytes_written
+    second.load_checkpoint(tmp_path / "ckpt", copy_to_swap=copy_to_swap)
+    second.nvme.staging.drain()
+    load_written = second.nvme.stats.bytes_written - written
+    store, held = second.optimizer.store, second.nvme.files
+    if copy_to_swap:
+        assert load_written == _state_bytes(second) and store.adopted() == [] and held.held() == []
+    else:
+        assert load_written == 0 and store.adopted() == units
+        assert len(held.held()) == 1 and held.held()[0].startswith(str(tmp_path / "ckpt"))
+    second.save_checkpoint(tmp_path / "again", tag="copy")  # before any step
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    shutil.rmtree(tmp_path / "ckpt")  # the held files still read
+    train(second, N)
+    assert_same_sd(second.full_state_dict(), want)
+    assert store.adopted() == [] and held.held() == []  # every unit rewritten: files let go
+    second.close()
+
+    torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
+    third = build("fp32", "nvme", swap, seed=8)
+    third.load_checkpoint(tmp_path / "again", tag="copy")
+    train(third, N)
+    assert_same_sd(third.full_state_dict(), want)
+    third.close()
+
+
+def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path):
+    """By default a checkpoint on another filesystem than the swap directory (here a tmpfs)
+    is copied into the swap file during the load, never read during training; asked with
+    copy_to_swap=False it is read in place (where O_DIRECT works there). Both resume
+    exactly."""
+    import warnings
+
+    from offload.io import probe_direct_io
+    from tests.fsutil import mounted_tmpfs
+
+    if not nvme_available():
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    swap = str(tmp_path / "swap")
+    os.makedirs(swap)
+    with mounted_tmpfs("64m") as mnt, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # buffered I/O where the tmpfs has no O_DIRECT
+        seed_all(2)
+        first = build("fp32", "nvme", swap)
+        train(first, N)
+        first.save_checkpoint(mnt)
+        train(first, N)
+        want = first.full_state_dict()
+        first.close()
+        second = build("fp32", "nvme", swap, seed=5)
+        units = sorted(u.index for u in second.units)
+        for copy_to_swap, adopted in ((None, []), (False, units if probe_direct_io(mnt) else [])):
+            second.load_checkpoint(mnt, copy_to_swap=copy_to_swap)
+            assert second.optimizer.store.adopted() == adopted
+            train(second, N)
+            assert_same_sd(second.full_state_dict(), want)
+            assert second.nvme.files.held() == []
+        second.close()
+    with pytest.raises(TypeError, match="copy_to_swap"):
+        build("fp32").load_checkpoint(tmp_path, copy_to_swap="yes")
+
+
 # -- world size 2, and re-sharding 2 -> 1 -> 2 ---------------------------------------------------
 
 

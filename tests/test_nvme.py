@@ -401,3 +401,36 @@ def test_state_layout_puts_each_tensor_on_a_page_and_moves_in_whole_pages():
     assert (lay.exp_avg_offset, lay.exp_avg_sq_offset, lay.nbytes) == (16384, 16384, 16384)
     with pytest.raises(ValueError):
         state_layout(-1, 0, 4)
+
+
+def test_held_files_read_a_deleted_file_and_close_with_the_last_reference(tmp_path):
+    """[Note: held files]: a held file reads through its descriptor (O_DIRECT) after it was
+    deleted and after a new file took its name; the last release closes the descriptor
+    (on the closer thread), and only then are its blocks freed."""
+    from offload.io import AIOHandle, aligned_empty
+    from offload.nvme import HeldFiles
+
+    path = str(tmp_path / "shard.bin")
+    data = aligned_empty(1 << 20)
+    data.random_(0, 255)
+    with AIOHandle() as aio:
+        aio.pwrite(data, path, 0).wait()
+        held = HeldFiles()
+        held.hold(path, count=2)
+        os.unlink(path)
+        aio.pwrite(torch.zeros_like(data), path, 0).wait()  # another file, same name
+        got = aligned_empty(1 << 20)
+        req = aio.pread(got, held.read_path(path), 0)
+        req.wait()
+        assert torch.equal(got, data) and req.direct
+        fd = int(held.read_path(path).rsplit("/", 1)[1])
+        held.release(path)
+        assert held.held() == [path] and os.path.exists(f"/proc/self/fd/{fd}")
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        held.release(path)
+        held.settle()
+        assert held.held() == []
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}") != target
+        with pytest.raises(KeyError):
+            held.read_path(path)
+        held.close()

@@ -22,9 +22,15 @@ main thread: measured on the 2-core VM, that copy alone was half of a 0.76 GB lo
 (0.20 of 0.41 s). The live tensors are not 4 KiB aligned (the CPU allocator aligns to
 64 bytes), so O_DIRECT cannot land in them: one copy remains, off the main thread.
 With the state on NVMe, each unit's chunks land straight in a pooled buffer laid out as its
-swap slot (`ShardedAdam.begin_overwrite`, not read first), which one asynchronous write
-then stores (`end_overwrite`) while the next unit's chunks are read: no copy, and the
-swap write overlaps the checkpoint reads.
+swap slot (`ShardedAdam.begin_overwrite`, not read first) and are verified there. Then:
+- same world size, layout and dtypes, on a filesystem with O_DIRECT (the usual resume):
+  the unit is *adopted* ([Note: adopted state] in offload/optim_state.py). Its state stays
+  in the checkpoint's shard file, which the store holds open and reads until the unit's
+  next write. No swap write at all: the load costs one read of the state, not a read and a
+  write.
+- otherwise (re-sharding, other moment dtypes): one asynchronous write stores the buffer
+  in the swap slot (`end_overwrite`) while the next unit's chunks are read: no copy, and
+  the swap write overlaps the checkpoint reads.
 
 Re-sharding and RNG: a rank that existed in the saving run gets its own RNG states and
 `client_state` back; a rank beyond the saved world size gets rank 0's `client_state` and
@@ -42,8 +48,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from offload.io import align_up, probe_direct_io
+from offload.optim_state import StateSource
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
+    DTYPES,
     DEFAULT_WINDOW,
     Staging,
     CheckpointCorruptError,
@@ -54,10 +63,14 @@ from offload.checkpoint.shards import (
 
 
 def load_checkpoint(
-    engine: Any, load_dir: str, tag: Optional[str] = None, *, window: int = DEFAULT_WINDOW
+    engine: Any, load_dir: str, tag: Optional[str] = None, *, window: int = DEFAULT_WINDOW,
+    copy_to_swap: Optional[bool] = None,
 ) -> tuple[str, Any]:
     """Load `load_dir/<tag>` (default: the tag `latest` names) into `engine`. Every rank
-    must call it. Returns (checkpoint path, this rank's client_state)."""
+    must call it. Returns (checkpoint path, this rank's client_state). `copy_to_swap`: see
+    `Engine.load_checkpoint`."""
+    if copy_to_swap not in (None, True, False):
+        raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
     path = files.resolve_tag(os.fspath(load_dir), tag)
     saved = manifest.read(path)
     manifest.verify_files(path, saved)
@@ -73,7 +86,7 @@ def load_checkpoint(
         )
     engine._sync_device()
     engine.optimizer.zero_grad()
-    load_units(engine, path, saved, state["slot_steps"], window=window)
+    load_units(engine, path, saved, state["slot_steps"], window=window, copy_to_swap=copy_to_swap)
     _restore_small_state(engine, state, restore_rng=engine.rank < saved["world_size"])
     return path, state["client_state"]
 
@@ -95,7 +108,7 @@ def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, An
 
 def load_units(
     engine: Any, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
-    *, window: int = DEFAULT_WINDOW,
+    *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
 ) -> None:
     staging = Staging.of(engine, engine.config.aio, 0.0, saved["chunk_bytes"], window)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
@@ -107,6 +120,9 @@ def load_units(
     in_place = _state_in_host_memory(engine)
     slots: dict[int, Any] = {}
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
+    sources: dict[int, StateSource] = {}
+    """NVMe: units adopted in place (their state left in the checkpoint file)."""
+    readable = {} if in_place or copy_to_swap else _readable_in_place(engine, records, copy_to_swap)
 
     def groups() -> Iterator[tuple[int, list[ReadJob]]]:
         for i, unit in enumerate(engine.units):
@@ -125,6 +141,10 @@ def load_units(
                 dest = {"master": t.master, "exp_avg": t.exp_avg, "exp_avg_sq": t.exp_avg_sq}
             pending[unit.index] = dest
             old = old_units[unit.name]
+            if not in_place:
+                source = _source_in_place(engine, saved, old, records, unit, readable)
+                if source is not None:
+                    sources[unit.index] = source
             lo = rank * layout.shard_numel
             jobs: list[ReadJob] = []
             for name, t in dest.items():
@@ -137,7 +157,7 @@ def load_units(
         steps = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         if index in slots:
             # read straight into the slot's buffer: one asynchronous write stores it
-            engine.optimizer.end_overwrite(index, slots.pop(index), steps)
+            engine.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None))
             return
         dest["slot_steps"] = steps
         engine.optimizer.load_unit_state(index, dest)
@@ -149,6 +169,53 @@ def load_units(
     finally:
         for index, t in slots.items():  # a failed load: buffers back, nothing written
             engine.optimizer.abandon_overwrite(index, t)
+
+
+def _source_in_place(
+    engine: Any, saved: dict[str, Any], old: dict[str, Any], records: list[tuple[str, dict]],
+    unit: Any, readable: dict[str, bool],
+) -> Optional[StateSource]:
+    """Where this rank's state of `unit` lies in its saved shard file, when that is exactly
+    the swap slot's layout (same world size and shard, fp32 master, the store's moment
+    dtype) and the file may be read in place (`readable`); else None (the load copies it
+    into the slot). See [Note: adopted state] in offload/optim_state.py."""
+    store = engine.optimizer.store
+    if not hasattr(store, "adopt") or saved["world_size"] != engine.world_size:
+        return None
+    file, by_key = records[engine.rank]
+    if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
+        return None
+    lay = store.layouts[unit.index]
+    parts = []
+    for name, dtype, numel, at in (
+        ("master", torch.float32, lay.master_numel, 0),
+        ("exp_avg", store.moment_dtype, lay.moment_numel, lay.exp_avg_offset),
+        ("exp_avg_sq", store.moment_dtype, lay.moment_numel, lay.exp_avg_sq_offset),
+    ):
+        rec = by_key.get((old["index"], name))
+        if rec is None or rec["numel"] != numel or DTYPES.get(rec["dtype"]) != dtype:
+            return None
+        n = align_up(numel * dtype.itemsize)
+        if n:
+            parts.append((int(rec["offset"]), at, n))
+    return StateSource(file, tuple(parts))
+
+
+def _readable_in_place(
+    engine: Any, records: list[tuple[str, dict]], copy_to_swap: Optional[bool]
+) -> dict[str, bool]:
+    """Which shard files the NVMe store may read in place of its slots: with O_DIRECT (the
+    step's reads stay direct), and by default (`copy_to_swap` None) only on the swap
+    directory's own filesystem, where reading the checkpoint costs what reading the slot
+    would; a checkpoint on other storage (a network share) is copied during the load."""
+    swap_dev = os.stat(engine.nvme.directory.path).st_dev
+    out = {}
+    for file, _ in records:
+        ok = probe_direct_io(file)
+        if ok and copy_to_swap is None:
+            ok = os.stat(file).st_dev == swap_dev
+        out[file] = ok
+    return out
 
 
 def _open_units(engine: Any, in_place: bool) -> int:
