@@ -46,7 +46,8 @@ from offload.schedule import Prefetcher, Schedule
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
 from offload.io import align_up
 from offload.step import (
-    ShardedAdam, UnitOptimizerState, moments_dtype, resolve_param_groups, transient_grad_shards,
+    ShardedAdam, UnitOptimizerState, host_state_zeros, moments_dtype, resolve_param_groups,
+    transient_grad_shards,
 )
 from offload.tiers import ReadAhead, make_param_tier, wait
 from offload.timeline import Timeline, now
@@ -395,7 +396,7 @@ class Engine:
             shard_numel = layout.shard_numel
             # On NVMe the master exists in host memory only while the unit is initialized
             # (allocated on its first value, written out and dropped when complete).
-            master = None if on_nvme else torch.zeros(shard_numel, dtype=torch.float32)
+            master = None if on_nvme else host_state_zeros(shard_numel, torch.float32)
             key = (index, "param")
             if alias_master:
                 self.param_tier.adopt(key, master)
@@ -424,8 +425,8 @@ class Engine:
                 unit=unit,
                 master=master,
                 grad=grad,
-                exp_avg=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
-                exp_avg_sq=None if on_nvme else torch.zeros(n_opt, dtype=mdtype),
+                exp_avg=None if on_nvme else host_state_zeros(n_opt, mdtype),
+                exp_avg_sq=None if on_nvme else host_state_zeros(n_opt, mdtype),
                 slot_steps=[0] * len(layout.slots),
                 slot_has_grad=[False] * len(layout.slots),
                 n_optimized=n_opt,

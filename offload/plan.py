@@ -43,7 +43,12 @@ from torch import nn
 
 from offload.config import Config, load_config
 from offload.shard import FROZEN_GROUP, UnitLayout, align_up, layout_unit
-from offload.step import moments_dtype, resolve_param_groups, transient_grad_shards
+from offload.step import (
+    host_state_bytes,
+    moments_dtype,
+    resolve_param_groups,
+    transient_grad_shards,
+)
 from offload.units import plan_units
 
 __all__ = ["Machine", "TierBytes", "PlacementEstimate", "Plan", "plan", "resolve_placement",
@@ -402,7 +407,7 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
         grad_b = shard * 4 if u.trainable and not transient_grads else 0
         host += grad_b
         if optimizer_tier == "cpu":
-            host += master_b + 2 * moments_b
+            host += host_state_bytes(master_b) + 2 * host_state_bytes(moments_b)
         else:
             nvme += _nvme(master_b) + 2 * _nvme(moments_b)
         if not alias_master:

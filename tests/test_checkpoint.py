@@ -241,9 +241,13 @@ def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tm
     else:
         assert load_written == 0 and store.adopted() == units
         assert len(held.held()) == 1 and held.held()[0].startswith(str(tmp_path / "ckpt"))
-    second.save_checkpoint(tmp_path / "again", tag="copy")  # before any step
+    # Before any step, re-save the same tag: the save reads the state from the held files,
+    # then swaps the new directory in and deletes the old one, the files being read.
+    path = second.save_checkpoint(tmp_path / "ckpt")
+    os.rename(tmp_path / "ckpt", tmp_path / "again")
+    if not copy_to_swap:
+        assert not os.path.exists(held.held()[0]) and store.adopted() == units
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    shutil.rmtree(tmp_path / "ckpt")  # the held files still read
     train(second, N)
     assert_same_sd(second.full_state_dict(), want)
     assert store.adopted() == [] and held.held() == []  # every unit rewritten: files let go
@@ -251,7 +255,7 @@ def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tm
 
     torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
     third = build("fp32", "nvme", swap, seed=8)
-    third.load_checkpoint(tmp_path / "again", tag="copy")
+    third.load_checkpoint(tmp_path / "again", tag=os.path.basename(path))
     train(third, N)
     assert_same_sd(third.full_state_dict(), want)
     third.close()

@@ -43,6 +43,8 @@ MODELS = {
     "gpt": lambda: TinyGPT(),
     "gpt_untied_wide": lambda: TinyGPT(d_model=48, n_layer=3, n_head=4, tie=False),
     "gpt_frozen": frozen_gpt,
+    # units of several MiB: master and moments on page-aligned allocations (host_state_zeros)
+    "gpt_large_units": lambda: TinyGPT(d_model=256, n_layer=1, n_head=4),
 }
 
 
