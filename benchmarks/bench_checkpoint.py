@@ -13,9 +13,13 @@ disk? Interleaved, repeated, medians, per round:
 - torch.save / load    `torch.save(engine.optimizer.state_dict())` (the same tensors) + fsync,
                        and `torch.load` after the file's pages are dropped from the page cache
                        (posix_fadvise DONTNEED), so it reads from the disk as the others do.
+- disk copy            (NVMe tier) a pread of one file of the same size and, at the same
+                       time, a pwrite of a new one + fsync: what a save from the NVMe tier
+                       must do at least, since the state is read from the swap file on the
+                       same disk as it is written to the checkpoint.
 
 GB/s counts the state's bytes (master + moments). The table ends with the ratios:
-`vs disk` (target >= 0.8) and `vs torch`.
+`vs disk` (target >= 0.8), `vs copy` (the NVMe save against the disk copy) and `vs torch`.
 
     python benchmarks/bench_checkpoint.py --quick                 # ~0.2 GB of state
     python benchmarks/bench_checkpoint.py --params 200M --dir /mnt/nvme/tmp
@@ -113,6 +117,7 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
     buf = aligned_empty(nbytes)
     buf.random_(0, 255)
     raw = os.path.join(work, "disk.bin")
+    copy = os.path.join(work, "copy.bin")
     ckpt = os.path.join(work, "ckpt")
     tfile = os.path.join(work, "torch.pt")
     gbs = lambda t: nbytes / t / GB  # noqa: E731
@@ -125,6 +130,21 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         t0 = time.perf_counter()
         handle.pwrite(buf, raw, 0).wait()
         fd = os.open(raw, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        return gbs(time.perf_counter() - t0)
+
+    copy_from = {}
+
+    def disk_copy() -> float:
+        if "buf" not in copy_from:
+            copy_from["buf"] = aligned_empty(nbytes)
+        t0 = time.perf_counter()
+        read = handle.pread(copy_from["buf"], raw, 0)
+        write = handle.pwrite(buf, copy, 0)
+        read.wait()
+        write.wait()
+        fd = os.open(copy, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
         return gbs(time.perf_counter() - t0)
@@ -187,13 +207,18 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
 
         return run
 
-    return {
+    out = {
         "disk write": settled(disk_write, remove(raw)),
         "offload save": settled(offload_save, remove_saved),
         "torch.save": settled(torch_save, remove(tfile)),
+    }
+    if engine.optimizer.store.kind == "nvme":
+        out["disk copy"] = settled(disk_copy, remove(copy))
+    out.update({
         "disk read": settled(disk_read), "offload load": settled(offload_load),
         "torch.load": settled(torch_load),
-    }
+    })
+    return out
 
 
 def run_tier(args: Any, tier: str, params: int, repeats: int) -> list[dict[str, Any]]:
@@ -218,11 +243,14 @@ def run_tier(args: Any, tier: str, params: int, repeats: int) -> list[dict[str, 
         rows = []
         for op, ours, disk, peer in (("save", "offload save", "disk write", "torch.save"),
                                      ("load", "offload load", "disk read", "torch.load")):
+            copy = med.get("disk copy") if op == "save" else None
             rows.append({
                 "tier": tier, "op": op, "state GB": nbytes / GB,
                 "offload s": nbytes / med[ours] / GB,
-                "offload GB/s": med[ours], "disk GB/s": med[disk], "torch GB/s": med[peer],
-                "vs disk": ratio(med[ours], med[disk]), "vs torch": ratio(med[ours], med[peer]),
+                "offload GB/s": med[ours], "disk GB/s": med[disk], "copy GB/s": copy,
+                "torch GB/s": med[peer], "vs disk": ratio(med[ours], med[disk]),
+                "vs copy": None if copy is None else ratio(med[ours], copy),
+                "vs torch": ratio(med[ours], med[peer]),
             })
         return rows
     finally:

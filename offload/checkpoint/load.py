@@ -19,8 +19,9 @@ tensors back (its copy is a no-op: `Tensor.copy_` returns at once when source an
 destination are the same tensor) and only republishes the parameter shard. Before, every
 unit went through two page-aligned buffer sets and then `load_unit_state`'s copy on the
 main thread: measured on the 2-core VM, that copy alone was half of a 0.76 GB load
-(0.20 of 0.41 s). The live tensors are not 4 KiB aligned (the CPU allocator aligns to
-64 bytes), so O_DIRECT cannot land in them: one copy remains, off the main thread.
+(0.20 of 0.41 s). Large live tensors are page-aligned (`offload.step.host_state_zeros`),
+so every whole chunk is read by O_DIRECT straight into them; only a record's last, partial
+chunk (and small tensors, from the CPU allocator) goes through the ring and is copied.
 With the state on NVMe, each unit's chunks land straight in a pooled buffer laid out as its
 swap slot (`ShardedAdam.begin_overwrite`, not read first) and are verified there. Then:
 - same world size, layout and dtypes, on a filesystem with O_DIRECT (the usual resume):
