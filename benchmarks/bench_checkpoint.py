@@ -13,10 +13,10 @@ disk? Interleaved, repeated, medians, per round:
 - torch.save / load    `torch.save(engine.optimizer.state_dict())` (the same tensors) + fsync,
                        and `torch.load` after the file's pages are dropped from the page cache
                        (posix_fadvise DONTNEED), so it reads from the disk as the others do.
-- disk copy            (NVMe tier) a pread of one file of the same size and, at the same
-                       time, a pwrite of a new one + fsync: what a save from the NVMe tier
-                       must do at least, since the state is read from the swap file on the
-                       same disk as it is written to the checkpoint.
+- disk copy            (NVMe tier) a pread of the state's size from the engine's swap file
+                       and, at the same time, a pwrite of a new file + fsync: what a save
+                       from the NVMe tier must do at least, since the state is read from the
+                       swap file on the same disk as it is written to the checkpoint.
 
 GB/s counts the state's bytes (master + moments). The table ends with the ratios:
 `vs disk` (target >= 0.8), `vs copy` (the NVMe save against the disk copy) and `vs torch`.
@@ -140,7 +140,9 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         if "buf" not in copy_from:
             copy_from["buf"] = aligned_empty(nbytes)
         t0 = time.perf_counter()
-        read = handle.pread(copy_from["buf"], raw, 0)
+        # from the swap file, as the save does (not `raw`: reading that would warm the
+        # host's cache for the "disk read" reference that follows)
+        read = handle.pread(copy_from["buf"], engine.optimizer.store.path, 0)
         write = handle.pwrite(buf, copy, 0)
         read.wait()
         write.wait()
