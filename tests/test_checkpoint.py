@@ -300,12 +300,29 @@ def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path):
 # -- world size 2, and re-sharding 2 -> 1 -> 2 ---------------------------------------------------
 
 
-def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=("fp32", "bf16")) -> dict:
+WS2_CASES = ("fp32", "bf16", "fp32-nvme", "bf16-nvme")
+"""dtype[-tier]: the tier defaults to cpu; the NVMe ones join where the tier exists."""
+
+
+def _ws2_cases() -> tuple[str, ...]:
+    return WS2_CASES if nvme_available() else tuple(c for c in WS2_CASES if "nvme" not in c)
+
+
+def _build_case(case: str, ckdir: str, seed: int):
+    dtype, _, tier = case.partition("-")
+    swap = None
+    if tier == "nvme":
+        swap = os.path.join(ckdir, "swap")
+        os.makedirs(swap, exist_ok=True)
+    return build(dtype, tier or "cpu", swap, seed=seed)
+
+
+def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=WS2_CASES) -> dict:
     out = {}
     for dtype in dtypes:
         d = os.path.join(ckdir, dtype)
         seed_all(1)
-        engine = build(dtype, seed=0 if phase != "second" else 7)
+        engine = _build_case(dtype, ckdir, seed=0 if phase != "second" else 7)
         if phase == "straight":
             train(engine, 2 * N, rank, world_size)
         elif phase == "first":
@@ -316,6 +333,8 @@ def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=("fp32
             seed_all(99)
             _, client = engine.load_checkpoint(d)
             assert client == {"rank": rank}
+            if "nvme" in dtype:  # same world size: the state is read in place
+                out[dtype + "/adopted"] = len(engine.optimizer.store.adopted())
             train(engine, N, rank, world_size)
         elif phase == "load":
             engine.load_checkpoint(d)
@@ -323,23 +342,27 @@ def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=("fp32
             out["shard_numel"] = {u.name: u.layout.shard_numel for u in engine.units}
         out[dtype] = engine.full_state_dict()
         out[dtype + "/summary"] = summary(engine)
+        engine.close()
     return out
 
 
 @pytest.fixture(scope="module")
 def ws2_checkpoint(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("ws2"))
-    first = run_distributed(_ws2_phase, 2, "first", d)
+    first = run_distributed(_ws2_phase, 2, "first", d, _ws2_cases())
     return d, first
 
 
 def test_resume_is_exact_world_size_2(ws2_checkpoint):
     d, _ = ws2_checkpoint
-    straight = run_distributed(_ws2_phase, 2, "straight", d)[0]
-    resumed = run_distributed(_ws2_phase, 2, "second", d)[0]
-    for dtype in ("fp32", "bf16"):
-        assert_same_sd(resumed[dtype], straight[dtype])
-        assert resumed[dtype + "/summary"] == straight[dtype + "/summary"]
+    cases = _ws2_cases()
+    straight = run_distributed(_ws2_phase, 2, "straight", d, cases)[0]
+    resumed = run_distributed(_ws2_phase, 2, "second", d, cases)
+    for case in cases:
+        assert_same_sd(resumed[0][case], straight[case])
+        assert resumed[0][case + "/summary"] == straight[case + "/summary"]
+        if "nvme" in case:
+            assert resumed[0][case + "/adopted"] > 0 and resumed[1][case + "/adopted"] > 0
 
 
 def _assert_prefix_equal(got: torch.Tensor, want: torch.Tensor, what) -> None:
@@ -349,35 +372,42 @@ def _assert_prefix_equal(got: torch.Tensor, want: torch.Tensor, what) -> None:
     assert not got[m:].any() and not want[m:].any(), what
 
 
-def test_resume_across_world_sizes_2_to_1_to_2(ws2_checkpoint, tmp_path):
+@pytest.mark.parametrize("case", ["fp32", "fp32-nvme"])
+def test_resume_across_world_sizes_2_to_1_to_2(ws2_checkpoint, tmp_path, case):
+    """Re-sharding: with the NVMe tier the state is copied into the swap file (a load at
+    another world size cannot read it in place)."""
     d, first = ws2_checkpoint
+    if case not in first[0]:
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
     # 2 -> 1: each unit's state is the two saved shards end to end (moments: the optimized
     # prefix, which the two ranks' moment shards tile).
-    per_rank = [first[0]["fp32/states"], first[1]["fp32/states"]]
+    per_rank = [first[0][case + "/states"], first[1][case + "/states"]]
     seed_all(5)
-    engine = build("fp32", seed=3)
-    _, client = engine.load_checkpoint(os.path.join(d, "fp32"))
+    engine = _build_case(case, str(tmp_path), seed=3)
+    _, client = engine.load_checkpoint(os.path.join(d, case))
     assert client == {"rank": 0}
+    if "nvme" in case:
+        assert engine.optimizer.store.adopted() == []
     for name, s in unit_states(engine).items():
         for k in ("master", "exp_avg", "exp_avg_sq"):
             _assert_prefix_equal(s[k], torch.cat([r[name][k] for r in per_rank]), (name, k))
         assert s["slot_steps"] == per_rank[0][name]["slot_steps"] == per_rank[1][name]["slot_steps"]
-    assert_same_sd(engine.full_state_dict(), first[0]["fp32"])
-    assert summary(engine) == first[0]["fp32/summary"]
+    assert_same_sd(engine.full_state_dict(), first[0][case])
+    assert summary(engine) == first[0][case + "/summary"]
     # train at world size 1 and save; 1 -> 2: each rank gets its slice of the flat unit.
     train(engine, N)
-    engine.save_checkpoint(tmp_path / "fp32", tag="from_one")
+    engine.save_checkpoint(tmp_path / case, tag="from_one")
     flat = unit_states(engine)
     full = engine.full_state_dict()
     engine.close()
-    results = run_distributed(_ws2_phase, 2, "load", str(tmp_path), ("fp32",))
+    results = run_distributed(_ws2_phase, 2, "load", str(tmp_path), (case,))
     for rank in (0, 1):
-        for name, s in results[rank]["fp32/states"].items():
+        for name, s in results[rank][case + "/states"].items():
             lo = rank * results[rank]["shard_numel"][name]
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 _assert_prefix_equal(s[k], flat[name][k][lo : lo + s[k].numel()], (rank, name, k))
             assert s["slot_steps"] == flat[name]["slot_steps"]
-    assert_same_sd(results[0]["fp32"], full)
+    assert_same_sd(results[0][case], full)
 
 
 # -- crash safety: kill -9 a saving process -----------------------------------------------------
