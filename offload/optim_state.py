@@ -250,6 +250,122 @@ class NVMeOptimizerStates:
     @contextlib.contextmanager
     def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
         """`overwrite` (with `write`): the caller sets every tensor, so the slot is not read
+        first (`checkout_overwrite`: a checkpoint load writes the state without reading the
+        one it replaces). Otherwise the unit is read (`checkout`)."""
+        t = self.checkout_overwrite(index) if overwrite and write else self.checkout(index, 0)
+        try:
+            yield t
+        except BaseException:
+            self.abandon(index, t)
+            raise
+        if write:
+            self.checkin(index, t)
+            return
+        try:
+            for h in t.holds:
+                h.wait()
+        finally:
+            self._ctx.staging.release(t._buffers[0])
+
+    def checkout(self, index: int, scratch_bytes: int) -> UnitTensors:
+        """Unit `index`'s tensors for one update (the optimizer-in-backward path), with
+        `scratch_bytes` of pooled scratch; give them back with `checkin` (or `abandon`)."""
+        st = self._states[index]
+        buf = None
+        if scratch_bytes:
+            if self._staging is None:
+                raise RuntimeError("scratch bytes asked of a host store without a staging pool")
+            buf = self._staging.acquire(scratch_bytes)
+        return UnitTensors(st.master, st.exp_avg, st.exp_avg_sq, scratch=buf,
+                           _buffers=() if buf is None else (buf,))
+
+    def checkin(self, index: int, t: UnitTensors) -> None:
+        if t._buffers:
+            staging, buf = self._staging, t._buffers[0]
+            staging.track(Pending(t.holds, release=lambda: staging.release(buf)))
+        else:
+            for h in t.holds:
+                h.wait()
+
+    def abandon(self, index: int, t: UnitTensors) -> None:
+        wait_quietly(t.holds)
+        if t._buffers:
+            self._staging.release(t._buffers[0])
+
+    def prefetch(
+        self, indices: Sequence[int], scratch_bytes: Callable[[int], int], limit: int = 2
+    ) -> None:
+        """Nothing to read ahead: the state is in memory."""
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+    def bytes_on_disk(self) -> int:
+        return 0
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self._states:
+            for t in (st.master, st.exp_avg, st.exp_avg_sq):
+                if t is not None:
+                    yield t
+
+
+class NVMeOptimizerStates:
+    """Optimizer state in the rank's `optim` swap file, one slot per unit (`state_layout`).
+
+    Nothing of it stays in host memory between uses: `open` and `stream` read a unit into a
+    staging buffer, and write it back from there. See [Note: optimizer pipeline].
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        context: NVMeContext,
+        sizes: Sequence[tuple[int, int]],
+        moment_dtype: torch.dtype,
+    ) -> None:
+        self._ctx = context
+        self.moment_dtype = moment_dtype
+        itemsize = torch.empty((), dtype=moment_dtype).element_size()
+        self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
+        self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
+        self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
+        self._prefetched: dict[int, tuple[torch.Tensor, Pending]] = {}
+        """Reads submitted ahead of the step (`prefetch`), consumed by `stream`."""
+        self._sources: dict[int, StateSource] = {}
+        """Adopted units: where their state is read from until their next write
+        ([Note: adopted state])."""
+
+    @property
+    def path(self) -> str:
+        return self._swap.path
+
+    def bytes_on_disk(self) -> int:
+        return self._swap.total_bytes
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    # -- one unit --------------------------------------------------------------------------
+
+    def initialize(self, index: int, master: torch.Tensor) -> None:
+        """Write unit `index`'s first state: `master`, zero moments (the write runs on)."""
+        lay = self.layouts[index]
+        buf = self._ctx.staging.acquire(lay.nbytes)
+        try:
+            t = self._views(index, buf)
+            t.master.copy_(master)
+            t.exp_avg.zero_()
+            t.exp_avg_sq.zero_()
+        except BaseException:
+            self._ctx.staging.release(buf)
+            raise
+        self._write(index, buf, [])
+
+    @contextlib.contextmanager
+    def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
+        """`overwrite` (with `write`): the caller sets every tensor, so the slot is not read
         first (a checkpoint load writes the state without reading the one it replaces)."""
         lay = self.layouts[index]
         buf = self._ctx.staging.acquire(lay.nbytes)
