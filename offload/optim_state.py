@@ -194,6 +194,33 @@ class HostOptimizerStates:
                     yield t
 
 
+class _SourceRead:
+    """A read of an adopted unit's state from its checkpoint file, whose failure names that
+    file (the request itself only knows `/proc/self/fd/N`) and what to do."""
+
+    __slots__ = ("req", "index", "path")
+
+    def __init__(self, req: Any, index: int, path: str) -> None:
+        self.req, self.index, self.path = req, index, path
+
+    def done(self) -> bool:
+        return self.req.done()
+
+    def wait(self) -> None:
+        try:
+            self.req.wait()
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"reading unit {self.index}'s optimizer state from the checkpoint file it was "
+                f"loaded from, {self.path!r} (read in place until the unit's first update), "
+                f"failed: {exc.strerror or exc}. The file was changed or damaged after "
+                "load_checkpoint; load the checkpoint again (copy_to_swap=True copies the "
+                "state into the swap file during the load)",
+                self.path,
+            ) from exc
+
+
 class NVMeOptimizerStates:
     """Optimizer state in the rank's `optim` swap file, one slot per unit (`state_layout`).
 
@@ -308,6 +335,33 @@ class NVMeOptimizerStates:
             for t in (st.master, st.exp_avg, st.exp_avg_sq):
                 if t is not None:
                     yield t
+
+
+class _SourceRead:
+    """A read of an adopted unit's state from its checkpoint file, whose failure names that
+    file (the request itself only knows `/proc/self/fd/N`) and what to do."""
+
+    __slots__ = ("req", "index", "path")
+
+    def __init__(self, req: Any, index: int, path: str) -> None:
+        self.req, self.index, self.path = req, index, path
+
+    def done(self) -> bool:
+        return self.req.done()
+
+    def wait(self) -> None:
+        try:
+            self.req.wait()
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"reading unit {self.index}'s optimizer state from the checkpoint file it was "
+                f"loaded from, {self.path!r} (read in place until the unit's first update), "
+                f"failed: {exc.strerror or exc}. The file was changed or damaged after "
+                "load_checkpoint; load the checkpoint again (copy_to_swap=True copies the "
+                "state into the swap file during the load)",
+                self.path,
+            ) from exc
 
 
 class NVMeOptimizerStates:
@@ -573,7 +627,8 @@ class NVMeOptimizerStates:
             reqs = []
             try:
                 for file_offset, at, n in source.parts:
-                    reqs.append(ctx.aio.pread(buf[at : at + n], name, file_offset))
+                    req = ctx.aio.pread(buf[at : at + n], name, file_offset)
+                    reqs.append(_SourceRead(req, index, source.path))
             except BaseException:
                 wait_quietly(reqs)
                 raise

@@ -261,6 +261,29 @@ def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tm
     third.close()
 
 
+def test_a_checkpoint_truncated_after_an_in_place_load_is_named_by_the_step(tmp_path):
+    """The checkpoint is verified by the load; a file truncated afterwards, while a unit is
+    still read from it, fails the step with an error naming that file and the fix."""
+    if not nvme_available():
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    swap = str(tmp_path / "swap")
+    os.makedirs(swap)
+    seed_all(1)
+    first = build("fp32", "nvme", swap)
+    train(first, 1)
+    path = first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    second = build("fp32", "nvme", swap)
+    second.load_checkpoint(tmp_path / "ckpt")
+    shard = second.nvme.files.held()[0]
+    assert shard.startswith(path)
+    os.truncate(shard, 0)
+    with pytest.raises(OSError, match=r"(?s)checkpoint file it was loaded from.*load the checkpoint again") as info:
+        train(second, 1)
+    assert info.value.filename == shard
+    second.close()
+
+
 def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path):
     """By default a checkpoint on another filesystem than the swap directory (here a tmpfs)
     is copied into the swap file during the load, never read during training; asked with
