@@ -200,22 +200,28 @@ def test_nvme_save_with_a_budget_for_one_unit_falls_back_to_reading_in_turn(tmp_
     second.close()
 
 
+@pytest.fixture
+def swap(tmp_path) -> str:
+    """A swap directory for an NVMe-tier engine (skips where the tier does not exist)."""
+    if not nvme_available():
+        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    d = tmp_path / "swap"
+    d.mkdir()
+    return str(d)
+
+
 def _state_bytes(engine) -> int:
     return sum(lay.nbytes for lay in engine.optimizer.store.layouts)
 
 
 @pytest.mark.parametrize("copy_to_swap", [None, True])
-def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tmp_path, copy_to_swap):
+def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tmp_path, copy_to_swap, swap):
     """By default a same-world-size load leaves the optimizer state in the checkpoint's
     files (checksums verified) and writes nothing to the swap file; the first step moves
     each unit to its slot and lets go of the files. The checkpoint may be deleted right
     after the load, and a save before any step reads the state from where it lies. With
     copy_to_swap=True the whole state is written to the swap file during the load. Both
     resume exactly."""
-    if not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
-    swap = str(tmp_path / "swap")
-    os.makedirs(swap)
     seed_all(1)
     straight = build("fp32", "nvme", swap)
     train(straight, 2 * N)
@@ -261,13 +267,9 @@ def test_nvme_load_reads_the_checkpoint_in_place_until_each_unit_is_rewritten(tm
     third.close()
 
 
-def test_a_checkpoint_truncated_after_an_in_place_load_is_named_by_the_step(tmp_path):
+def test_a_checkpoint_truncated_after_an_in_place_load_is_named_by_the_step(tmp_path, swap):
     """The checkpoint is verified by the load; a file truncated afterwards, while a unit is
     still read from it, fails the step with an error naming that file and the fix."""
-    if not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
-    swap = str(tmp_path / "swap")
-    os.makedirs(swap)
     seed_all(1)
     first = build("fp32", "nvme", swap)
     train(first, 1)
@@ -284,7 +286,7 @@ def test_a_checkpoint_truncated_after_an_in_place_load_is_named_by_the_step(tmp_
     second.close()
 
 
-def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path):
+def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path, swap):
     """By default a checkpoint on another filesystem than the swap directory (here a tmpfs)
     is copied into the swap file during the load, never read during training; asked with
     copy_to_swap=False it is read in place (where O_DIRECT works there). Both resume
@@ -294,10 +296,6 @@ def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path):
     from offload.io import probe_direct_io
     from tests.fsutil import mounted_tmpfs
 
-    if not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
-    swap = str(tmp_path / "swap")
-    os.makedirs(swap)
     with mounted_tmpfs("64m") as mnt, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # buffered I/O where the tmpfs has no O_DIRECT
         seed_all(2)
