@@ -129,14 +129,19 @@ def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path
     assert over.returncode == 3 and "exceeded --rss-budget 1.0 MiB" in over.stderr, over.stderr
 
 
+def _plain_pytorch_oom(mem_limit: str) -> subprocess.CompletedProcess:
+    """examples/plain_pytorch_oom.py on a 2-layer, d_model 512 GPT under `mem_limit`."""
+    cmd = [sys.executable, os.path.join(EXAMPLES, "plain_pytorch_oom.py"), "--layers", "2",
+           "--d-model", "512", "--mem-limit", mem_limit, "--steps", "1"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_plain_pytorch_oom_reports_out_of_memory_cleanly():
     # 10.6M parameters: 0.17 GB of plain-PyTorch training state, 96 MiB of address space
     # above what the warmed-up process maps: the allocator fails in backward or the first
     # optimizer step, the script catches it and says where.
-    cmd = [sys.executable, os.path.join(EXAMPLES, "plain_pytorch_oom.py"), "--layers", "2",
-           "--d-model", "512", "--mem-limit", "+96MiB", "--steps", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _plain_pytorch_oom("+96MiB")
     assert out.returncode == 3, out.stdout + out.stderr
     assert re.search(r"^OUT OF MEMORY at stage 'step 1 (backward|optimizer)", out.stdout, re.M), out.stdout
     assert "can't allocate memory" in out.stdout and "Traceback" not in out.stderr
@@ -144,10 +149,7 @@ def test_plain_pytorch_oom_reports_out_of_memory_cleanly():
 
 
 def test_plain_pytorch_oom_trains_when_the_limit_allows():
-    cmd = [sys.executable, os.path.join(EXAMPLES, "plain_pytorch_oom.py"), "--layers", "2",
-           "--d-model", "512", "--mem-limit", "+2GiB", "--steps", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _plain_pytorch_oom("+2GiB")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the model fits" in out.stdout and re.search(r"^  step 1 loss [0-9.]+$", out.stdout, re.M)
 
