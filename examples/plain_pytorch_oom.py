@@ -44,20 +44,21 @@ from train_gpt import GPT, SIZES, parse_bytes  # noqa: E402
 EXIT_OOM = 3
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _proc_bytes(path: str, field: str) -> int:
+    """A "Field:  N kB" line of a /proc file, in bytes."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    raise RuntimeError(f"{path} has no {field}")
+
+
+def _status_bytes(field: str) -> int:
+    return _proc_bytes("/proc/self/status", field)
 
 
 def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {field}")
+    return _proc_bytes("/proc/meminfo", field)
 
 
 def _gib(n: float) -> str:
