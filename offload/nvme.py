@@ -259,17 +259,15 @@ class HeldFiles:
         self._closer: Optional[ThreadPoolExecutor] = None
         """Closes released descriptors off the caller's thread (see the note)."""
 
-    def hold(self, path: str, count: int = 1) -> None:
-        """Open `path` (once) and add `count` references to it."""
-        if count <= 0:
-            return
+    def hold(self, path: str) -> None:
+        """Open `path` (once) and add a reference to it."""
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._refs[path] += count
+        self._refs[path] += 1
 
-    def release(self, path: str, count: int = 1) -> None:
-        """Drop `count` references; the last one closes the descriptor."""
-        self._refs[path] -= count
+    def release(self, path: str) -> None:
+        """Drop a reference; the last one closes the descriptor."""
+        self._refs[path] -= 1
         if self._refs[path] <= 0:
             del self._refs[path]
             fd = self._fds.pop(path, None)

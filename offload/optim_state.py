@@ -333,28 +333,28 @@ class NVMeOptimizerStates:
         wait_quietly(t.holds)
         self._ctx.staging.release(t._buffers[0])
 
-    def adopt(self, index: int, t: UnitTensors, source: StateSource) -> None:
-        """Finish a `checkout_overwrite` without writing: `t` holds exactly the bytes
-        `source` describes (the caller read and verified them there), so the unit is read
-        from `source` until its next write ([Note: adopted state]). The buffer goes back
-        once `t.holds` are done."""
+    def adopt(self, index: int, t: UnitTensors, path: str, file_offsets: dict[str, int]) -> None:
+        """Finish a `checkout_overwrite` without writing: `t` holds the bytes that lie in
+        `path` at `file_offsets` ("master", "exp_avg", "exp_avg_sq": where each tensor
+        starts, padded to 4 KiB as in the slot; the caller read and verified them there), so
+        the unit is read from that file until its next write ([Note: adopted state]). The
+        buffer goes back once `t.holds` are done."""
         lay = self.layouts[index]
-        covered = sorted((at, at + n) for _, at, n in source.parts)
-        want = [(0, align_up(lay.master_numel * 4))]
-        if lay.moment_numel:
-            n = align_up(lay.moment_numel * lay.moment_itemsize)
-            want += [(lay.exp_avg_offset, lay.exp_avg_offset + n),
-                     (lay.exp_avg_sq_offset, lay.exp_avg_sq_offset + n)]
-        if covered != [w for w in want if w[1] > w[0]] or any(
-            fo % 4096 for fo, _, _ in source.parts
-        ):
+        n_master = align_up(lay.master_numel * 4)
+        n_moment = align_up(lay.moment_numel * lay.moment_itemsize)
+        parts = tuple(
+            (int(file_offsets[name]), at, n)
+            for name, at, n in (("master", 0, n_master),
+                                ("exp_avg", lay.exp_avg_offset, n_moment),
+                                ("exp_avg_sq", lay.exp_avg_sq_offset, n_moment))
+            if n
+        )
+        if any(fo % 4096 for fo, _, _ in parts):
             self.abandon(index, t)
-            raise ValueError(f"unit {index}: {source} does not lay out the slot {lay}")
-        self.cancel_prefetch(index)
-        self._wait_write(index)
+            raise ValueError(f"unit {index}: offsets {file_offsets} in {path!r} are not 4 KiB-aligned")
         self._drop_source(index)
-        self._ctx.files.hold(source.path)
-        self._sources[index] = source
+        self._ctx.files.hold(path)
+        self._sources[index] = StateSource(path, parts)
         self._swap.mark_written(index)  # readable: from its source
         staging = self._ctx.staging
         buf = t._buffers[0]

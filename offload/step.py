@@ -349,12 +349,14 @@ class ShardedAdam(torch.optim.Optimizer):
         return checkout(self._state_of(index).unit.index)
 
     def end_overwrite(
-        self, index: int, t: UnitTensors, slot_steps: Any, source: Any = None
+        self, index: int, t: UnitTensors, slot_steps: Any,
+        adopt_from: Optional[tuple[str, dict[str, int]]] = None,
     ) -> None:
         """Finish `begin_overwrite`: step counts, the parameter shard republished from the
         new master, the state written to the swap file (asynchronously) — or, with
-        `source` (a `StateSource` holding exactly these bytes), left there and read from it
-        until the unit's next write ([Note: adopted state] in offload/optim_state.py)."""
+        `adopt_from` (a file and where each tensor starts in it: the bytes `t` was read
+        from), left there and read from it until the unit's next write
+        ([Note: adopted state] in offload/optim_state.py)."""
         st = self._state_of(index)
         if len(slot_steps) != len(st.slot_steps):
             self.store.abandon(st.unit.index, t)
@@ -365,8 +367,8 @@ class ShardedAdam(torch.optim.Optimizer):
         except BaseException:
             self.store.abandon(st.unit.index, t)
             raise
-        if source is not None:
-            self.store.adopt(st.unit.index, t, source)
+        if adopt_from is not None:
+            self.store.adopt(st.unit.index, t, *adopt_from)
         else:
             self.store.checkin(st.unit.index, t)
 

@@ -416,7 +416,8 @@ def test_held_files_read_a_deleted_file_and_close_with_the_last_reference(tmp_pa
     with AIOHandle() as aio:
         aio.pwrite(data, path, 0).wait()
         held = HeldFiles()
-        held.hold(path, count=2)
+        held.hold(path)
+        held.hold(path)
         os.unlink(path)
         aio.pwrite(torch.zeros_like(data), path, 0).wait()  # another file, same name
         got = aligned_empty(1 << 20)

@@ -49,8 +49,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from offload.io import align_up, probe_direct_io
-from offload.optim_state import StateSource
+from offload.io import probe_direct_io
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DTYPES,
@@ -121,7 +120,7 @@ def load_units(
     in_place = _state_in_host_memory(engine)
     slots: dict[int, Any] = {}
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
-    sources: dict[int, StateSource] = {}
+    sources: dict[int, tuple[str, dict[str, int]]] = {}
     """NVMe: units adopted in place (their state left in the checkpoint file)."""
     readable = {} if in_place or copy_to_swap else _readable_in_place(engine, records, copy_to_swap)
 
@@ -175,11 +174,12 @@ def load_units(
 def _source_in_place(
     engine: Any, saved: dict[str, Any], old: dict[str, Any], records: list[tuple[str, dict]],
     unit: Any, readable: dict[str, bool],
-) -> Optional[StateSource]:
-    """Where this rank's state of `unit` lies in its saved shard file, when that is exactly
-    the swap slot's layout (same world size and shard, fp32 master, the store's moment
-    dtype) and the file may be read in place (`readable`); else None (the load copies it
-    into the slot). See [Note: adopted state] in offload/optim_state.py."""
+) -> Optional[tuple[str, dict[str, int]]]:
+    """(shard file, where each of this rank's state tensors of `unit` starts in it), when
+    they lie there exactly as in the swap slot (same world size and shard, fp32 master,
+    the store's moment dtype) and the file may be read in place (`readable`); else None
+    (the load copies the state into the slot). See [Note: adopted state] in
+    offload/optim_state.py."""
     store = engine.optimizer.store
     if not hasattr(store, "adopt") or saved["world_size"] != engine.world_size:
         return None
@@ -187,19 +187,17 @@ def _source_in_place(
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
         return None
     lay = store.layouts[unit.index]
-    parts = []
-    for name, dtype, numel, at in (
-        ("master", torch.float32, lay.master_numel, 0),
-        ("exp_avg", store.moment_dtype, lay.moment_numel, lay.exp_avg_offset),
-        ("exp_avg_sq", store.moment_dtype, lay.moment_numel, lay.exp_avg_sq_offset),
+    offsets = {}
+    for name, dtype, numel in (
+        ("master", torch.float32, lay.master_numel),
+        ("exp_avg", store.moment_dtype, lay.moment_numel),
+        ("exp_avg_sq", store.moment_dtype, lay.moment_numel),
     ):
         rec = by_key.get((old["index"], name))
         if rec is None or rec["numel"] != numel or DTYPES.get(rec["dtype"]) != dtype:
             return None
-        n = align_up(numel * dtype.itemsize)
-        if n:
-            parts.append((int(rec["offset"]), at, n))
-    return StateSource(file, tuple(parts))
+        offsets[name] = int(rec["offset"])
+    return file, offsets
 
 
 def _readable_in_place(
