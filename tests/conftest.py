@@ -6,6 +6,20 @@ import pytest
 import torch
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """How far inside its measured bound each parity comparison landed (tests/parity.py)."""
+    from tests.parity import MARGINS
+
+    if not MARGINS:
+        return
+    worst = sorted(MARGINS, key=lambda m: m.ratio, reverse=True)
+    terminalreporter.write_line(
+        f"parity: {len(MARGINS)} comparisons against measured bounds; the closest (distance / bound):"
+    )
+    for m in worst[:5]:
+        terminalreporter.write_line(f"  {m.ratio:.3f}  {m.what}  ({m.worst})")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -110,7 +124,14 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy, computed in at least fp32: bf16/fp16 logits are cast up, float64
+    logits (the float64 truth of tests/parity.py) stay float64."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def gpt_batches(n: int, batch: int = 8, seq: int = 16, vocab: int = 64, seed: int = 1234):
