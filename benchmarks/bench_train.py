@@ -401,10 +401,9 @@ def main() -> None:
         f"{n_params / 1e6:.1f} M params; batch {args.batch} x seq {args.seq} = {tokens} tokens; "
         f"{args.dtype} compute on {device}; {repeats} interleaved rounds"
     )
-    from offload.optim import functional
+    from offload.optim import adam_isa
 
-    adam_impl = getattr(functional.adam_step_flat, "__name__", "?")
-    print(f"engine's Adam: offload.optim.adam_step_flat -> {adam_impl}")
+    print(f"engine's Adam: offload.optim.adam_step_flat, native {adam_isa()} kernel")
 
     contenders, memory, io, engines, sched = build_contenders(args, make_model, batch, device)
     peak = None

@@ -372,14 +372,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     start = 0
     if args.resume:
-        if not hasattr(engine, "load_checkpoint"):
-            raise SystemExit("--resume: this offload build has no engine.load_checkpoint")
         path, client = engine.load_checkpoint(args.save_dir)
         start = int((client or {}).get("step", engine.global_steps))
         if rank == 0:
             print(f"resumed from {path} at step {start}", flush=True)
-    if args.save_dir and args.save_every and not hasattr(engine, "save_checkpoint"):
-        raise SystemExit("--save-dir/--save-every: this offload build has no engine.save_checkpoint")
 
     if rank == 0:
         print(f"GPT {n_params / 1e6:.2f}M parameters ({args.layers} layers, d_model "

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import distributed as _dist
-from offload.config import Config
+from offload.config import Config, load_config
 from offload.loss_scaler import LossScaler
 from offload.schedule import Prefetcher, Schedule
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
@@ -79,23 +79,7 @@ def initialize(
         and stepped by `engine.step()` at every applied optimizer step (as DeepSpeed does).
         None with `config.scheduler` set builds that schedule.
     """
-    return Engine(model, _load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
-
-
-def _load_config(config: ConfigLike) -> Config:
-    if isinstance(config, Config):
-        return config
-    from offload import config as config_module
-
-    load = getattr(config_module, "load_config", None)
-    if load is not None:
-        return load(config)
-    if config is None:
-        return Config()
-    raise TypeError(
-        f"config must be an offload.Config (got {type(config).__name__}); loading dicts and "
-        "files needs offload.config.load_config"
-    )
+    return Engine(model, load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -238,9 +222,7 @@ class Engine:
             self.timeline.io_wait_clock = lambda: stats.wait_s
             # A prefetch holds pooled buffers; a buffer needed now takes precedence.
             self.nvme.staging.reclaimers.append(self.prefetcher.reclaim)
-            reclaim = getattr(self.optimizer_states, "reclaim", None)
-            if reclaim is not None:
-                self.nvme.staging.reclaimers.append(reclaim)
+            self.nvme.staging.reclaimers.append(self.optimizer_states.reclaim)
         self._compute_t0 = [0.0] * len(self.units)
         self._reduces: list[tuple[FlatUnit, Any, float]] = []
         self._gather_issued: dict[int, float] = {}
@@ -1230,7 +1212,7 @@ class Engine:
             add("device", unit.full)
         for b in self.module.buffers():
             add("device", b)
-        staging = getattr(self.optimizer, "_staging", None)
+        staging = self.optimizer._staging
         if staging is not None:
             add("host", staging)
         if self.nvme is not None:
@@ -1251,7 +1233,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        prefetcher = getattr(self, "prefetcher", None)
+        prefetcher = getattr(self, "prefetcher", None)  # absent when __init__ failed early
         if prefetcher is not None:
             prefetcher.drop()
         if self._finalizer is not None:

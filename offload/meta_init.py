@@ -31,9 +31,9 @@ class init(contextlib.AbstractContextManager):
 
     def __init__(self, config: Any = None, init_fn: Optional[Callable[[nn.Module], None]] = None):
         if config is not None:
-            from offload.engine import _load_config
+            from offload.config import load_config
 
-            config = _load_config(config)  # config errors surface here, at the door
+            config = load_config(config)  # config errors surface here, at the door
         self.config = config
         self.init_fn = init_fn
         self._device_ctx: Optional[torch.device] = None

@@ -129,6 +129,11 @@ class HostOptimizerStates:
         self._staging = staging
         """The NVMe staging pool when the parameter tier is on NVMe (scratch comes from it)."""
 
+    def reclaim(self) -> bool:
+        """`Staging.reclaimers` hook: the host store reads nothing ahead, so holds no pooled
+        buffer it could give back."""
+        return False
+
     def initialize(self, index: int, master: torch.Tensor) -> None:
         st = self._states[index]
         if st.master is not master:

@@ -556,14 +556,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def nvme_tier_available() -> bool:
-    """Whether this build has the NVMe tier: a `Tier` subclass of kind 'nvme' in offload.tiers."""
-    from offload import tiers
-
-    return any(isinstance(obj, type) and issubclass(obj, tiers.Tier) and getattr(obj, "kind", "") == "nvme"
-               for obj in vars(tiers).values())
-
-
 def plan(
     model_or_params: Union[nn.Module, int, float, str],
     *,
@@ -574,7 +566,6 @@ def plan(
     moments: Optional[str] = None,
     units: Optional[int] = None,
     placements: Sequence[tuple[str, str]] = PLACEMENTS,
-    require_available: bool = False,
 ) -> Plan:
     """Bytes per tier for each placement of `model_or_params` on `machine`, and the fastest
     placement that fits.
@@ -588,8 +579,6 @@ def plan(
         override them.
     units: for a bare count, how many equal units to lay it out in (default
         `default_units`).
-    require_available: also rule out placements this build cannot run (the NVMe tier not
-        built in); `initialize(placement='auto')` sets it.
     """
     cfg = load_config(config)
     dtype = dtype or cfg.precision.dtype
@@ -609,7 +598,6 @@ def plan(
             raise ValueError(f"a model needs at least one parameter, got {model_or_params!r}")
         spec = _spec_from_count(count, ws, units)
     on_gpu = machine.gpus_per_node > 0
-    have_nvme_tier = nvme_tier_available() if require_available else True
 
     estimates = []
     for pt, ot in placements:
@@ -638,7 +626,7 @@ def plan(
             disk = int(spec.trainable_params / ws * (opt_bytes + params_bytes))
             if pt == "nvme" and spec.trainable_params < spec.params:
                 disk += int((spec.params - spec.trainable_params) / ws * 4 * scale)
-        problems = _problems(machine, per_rank, per_node, work, pt, ot, have_nvme_tier)
+        problems = _problems(machine, per_rank, per_node, work, pt, ot)
         estimates.append(PlacementEstimate(pt, ot, per_rank, per_node, work, disk,
                                            not problems, tuple(problems)))
     fitting = [e for e in estimates if e.fits]
@@ -657,14 +645,11 @@ def plan(
                 best, reason)
 
 
-def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, ot: str,
-              have_nvme_tier: bool) -> list[str]:
+def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, ot: str) -> list[str]:
     out = []
     if "nvme" in (pt, ot):
         if m.nvme_free_bytes is None:
             out.append("no NVMe (give --nvme-free / set offload.nvme_path)")
-        elif not have_nvme_tier:
-            out.append("this build has no NVMe tier")
         elif node.nvme > m.nvme_free_bytes - m.nvme_reserve_bytes:
             out.append(f"NVMe {_fmt(node.nvme)} > {_fmt(m.nvme_free_bytes - m.nvme_reserve_bytes)}")
     if m.gpus_per_node:
@@ -706,7 +691,7 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: Any,
         machine = make_machine(gpus=machine.gpus_per_node, gpu_mem=gpu or None, cpu_mem=cpu,
                                nvme_free=None if nvme < 0 else nvme, world_size=pg.world_size,
                                ranks_per_node=machine.local_ranks)
-    result = plan(model, machine=machine, config=config, optimizer=optimizer, require_available=True)
+    result = plan(model, machine=machine, config=config, optimizer=optimizer)
     if result.recommended is None:
         raise MemoryError(f"offload.placement='auto': {result.reason}\n{result}")
     best = result.recommended

@@ -19,7 +19,6 @@ not advance), as torch skips parameters whose `.grad` is None.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from offload.io import align_up
+from offload.optim.functional import adam_step_flat
 from offload.optim_state import HostOptimizerStates, UnitTensors
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
 from offload.tiers import Tier, wait
@@ -148,12 +148,9 @@ class ShardedAdam(torch.optim.Optimizer):
     def _adam(self) -> Callable[..., None]:
         if self._adam_fn is not None:
             return self._adam_fn
-        # Looked up at call time: the native kernel replaces the reference when it is bound.
-        from offload.optim import functional
-
-        fn = functional.adam_step_flat
-        if self._threads > 0 and "threads" in inspect.signature(fn).parameters:
-            threads = self._threads  # config.cpu_adam_threads, where the kernel takes it
+        fn = adam_step_flat
+        if self._threads > 0:
+            threads = self._threads  # config.cpu_adam_threads
 
             def with_threads(*args: Any, **kwargs: Any) -> None:
                 fn(*args, threads=threads, **kwargs)
@@ -343,10 +340,9 @@ class ShardedAdam(torch.optim.Optimizer):
         """For a loader that fills unit `index`'s whole state itself: the tensors to fill
         (pooled, laid out as the NVMe slot, so reads land there and one write stores them),
         or None when the store keeps the state in host memory (use `unit_state`)."""
-        checkout = getattr(self.store, "checkout_overwrite", None)
-        if checkout is None:
+        if self.store.kind == "host":
             return None
-        return checkout(self._state_of(index).unit.index)
+        return self.store.checkout_overwrite(self._state_of(index).unit.index)
 
     def end_overwrite(
         self, index: int, t: UnitTensors, slot_steps: Any,

@@ -2,14 +2,43 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import tempfile
+import traceback
+import warnings
+from typing import Any, Callable
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def arithmetic_line() -> str:
+    """The arithmetic underneath this run: which CPU, which code paths torch and offload's
+    Adam take on it (ATEN_CPU_CAPABILITY, MKL_CBWR, OFFLOAD_ADAM_ISA change them)."""
+    from offload.optim import adam_isa
+
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    except OSError:
+        pass  # not Linux: the name is only informative
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OFFLOAD_ADAM_ISA")
+                   if k in os.environ)
+    return (f"cpu: {model}, {os.cpu_count()} cores; torch {torch.__version__} kernels "
+            f"{torch.backends.cpu.get_cpu_capability()}; offload Adam kernel {adam_isa()}"
+            + (f"; forced by {env}" if env else ""))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """How far inside its measured bound each parity comparison landed (tests/parity.py)."""
     from tests.parity import MARGINS
 
+    terminalreporter.write_line(arithmetic_line())
     if not MARGINS:
         return
     worst = sorted(MARGINS, key=lambda m: m.ratio, reverse=True)
@@ -31,29 +60,20 @@ def pytest_collection_modifyitems(config, items):
 
 # -- a tiny GPT ------------------------------------------------------------------------------
 
-import os
-import subprocess
-import socket
-import tempfile
-import traceback
-import warnings
-from typing import Any, Callable
-
-import torch.nn.functional as F
-from torch import nn
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention + MLP."""
 
-    def __init__(self, d_model: int, n_head: int) -> None:
+    def __init__(self, d_model: int, n_head: int, qkv_bias: bool = False) -> None:
         super().__init__()
         self.n_head = n_head
         self.ln1 = nn.LayerNorm(d_model)
-        # No qkv bias: the key bias has an exactly-zero gradient (softmax is invariant to it),
-        # so its "gradient" is rounding noise that Adam normalises into lr-sized steps, and
-        # two correct implementations would disagree on it by O(lr) every step.
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        # No qkv bias by default. With one (GPT-2's c_attn), the key bias has an exactly-zero
+        # true gradient (softmax is invariant to it), so its "gradient" is rounding noise that
+        # Adam normalises into lr-sized steps: two correct implementations disagree on it by
+        # O(lr) every step. The parity scenario "gpt_qkv_bias" keeps it, on purpose.
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=qkv_bias)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
@@ -90,11 +110,12 @@ class TinyGPT(nn.Module):
         seq: int = 16,
         tie: bool = True,
         checkpoint: str = "",
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         self.wte = SmallEmbedding(vocab, d_model)
         self.wpe = SmallEmbedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, qkv_bias) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
         if tie:

@@ -376,9 +376,22 @@ def test_forked_child_can_step_after_parent_started_the_pool(tmp_path):
     assert_bitwise_equal(got, expected[0], "master updated in the forked child")
 
 
-def test_empty_buffers_are_a_no_op():
-    e = torch.empty(0)
-    adam_step_flat(e, e.clone(), e.clone(), e.clone(), step=1, weight_decay=0.0, **HYPER)
+@pytest.mark.parametrize("isa", [isa_param(i) for i in ALL_ISAS])
+def test_empty_buffers_are_a_no_op(isa):
+    # Zero-length views inside live buffers: a kernel that touched even one element (a
+    # vector tail computed for n = 0) would change the bytes around them.
+    flat = torch.randn(4 * 64)
+    grad = torch.randn(64)
+    before, grad_before = flat.clone(), grad.clone()
+    for at in (0, 17, 64):  # at a buffer's start, mid-vector, at an aligned boundary
+        master, m, v = flat[at:at], flat[64 + at : 64 + at], flat[128 + at : 128 + at]
+        adam_step_flat(master, grad[at:at], m, v, step=1, weight_decay=0.1, isa=isa, **HYPER)
+    assert_bitwise_equal(flat, before, "buffers around the empty views")
+    assert_bitwise_equal(grad, grad_before, "gradient around the empty views")
+    # an empty call still checks its arguments
+    with pytest.raises(TypeError, match="master"):
+        e = torch.empty(0, dtype=torch.float64)
+        adam_step_flat(e, torch.empty(0), torch.empty(0), torch.empty(0), step=1, weight_decay=0.0, **HYPER)
 
 
 def test_views_into_a_larger_buffer_update_only_their_range():
@@ -527,12 +540,15 @@ def test_flat_step_rejects_bad_hyperparameters():
         _step(p, g, m, v, threads=0)
 
 
-def test_forcing_an_unsupported_isa_says_which_one_runs_here():
+def test_forcing_an_unsupported_isa_says_which_one_runs_here(monkeypatch):
     missing = [i for i in ALL_ISAS if i not in supported_isas()]
     if not missing:
-        pytest.skip("this CPU supports every kernel")
+        pytest.skip("this CPU supports every Adam kernel, so none can be refused here")
     with pytest.raises(ValueError, match=f"the '{missing[0]}' Adam kernel cannot run on this CPU"):
         _step(*_flat_args(), isa=missing[0])
+    monkeypatch.setenv("OFFLOAD_ADAM_ISA", missing[0])
+    with pytest.raises(ValueError, match=f"cannot run the {missing[0]} Adam kernel; it runs"):
+        adam_isa()
 
 
 def test_cpu_adam_rejects_unsupported_parameters():
@@ -573,3 +589,31 @@ def test_cpu_adam_accepts_non_contiguous_gradients():
     CPUAdam([a]).step()
     torch.optim.AdamW([b]).step()
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# -- forcing the kernel for the whole process (OFFLOAD_ADAM_ISA) --------------------------------
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in ALL_ISAS])
+def test_offload_adam_isa_forces_the_default_kernel(isa, monkeypatch):
+    p, g, m, v = make_state(4099)
+    want = [t.clone() for t in (p, m, v)]
+    adam_step_flat(*want[:1], g, *want[1:], step=3, weight_decay=0.1, isa=isa, **HYPER)
+    monkeypatch.setenv("OFFLOAD_ADAM_ISA", isa)
+    assert adam_isa() == isa
+    adam_step_flat(p, g, m, v, step=3, weight_decay=0.1, **HYPER)  # isa=None: the forced one
+    for got, exp, name in zip((p, m, v), want, ("master", "exp_avg", "exp_avg_sq")):
+        assert_bitwise_equal(got, exp, name)
+
+
+def test_offload_adam_isa_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ADAM_ISA", "sse9")
+    with pytest.raises(ValueError, match=r"OFFLOAD_ADAM_ISA='sse9' is not an Adam kernel"):
+        adam_isa()
+    with pytest.raises(ValueError, match=r"OFFLOAD_ADAM_ISA='sse9'"):
+        adam_step_flat(*make_state(8), step=1, weight_decay=0.0, **HYPER)
+    monkeypatch.delenv("OFFLOAD_ADAM_ISA")
+    best = adam_isa()
+    assert best in supported_isas() and best != "scalar"
+    monkeypatch.setenv("OFFLOAD_ADAM_ISA", "AUTO")  # 'auto', any case: the best, as unset
+    assert adam_isa() == best

@@ -95,28 +95,8 @@ def assert_same_sd(a: dict, b: dict) -> None:
 
 # -- tiers: the NVMe tier joins when it exists -------------------------------------------------
 
-_NVME: list = []
-
-
-def nvme_available() -> bool:
-    if not _NVME:
-        import tempfile
-
-        d = tempfile.mkdtemp(prefix="offload-nvme-probe-")
-        try:
-            build("fp32", "nvme", d).close()
-            _NVME.append(True)
-        except (NotImplementedError, ValueError, TypeError):
-            _NVME.append(False)
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    return _NVME[0]
-
-
 @pytest.fixture(params=["cpu", "nvme"])
 def tier(request, tmp_path):
-    if request.param == "nvme" and not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
     return request.param, (str(tmp_path / "swap") if request.param == "nvme" else None)
 
 
@@ -160,9 +140,6 @@ def test_nvme_save_with_a_budget_for_one_unit_falls_back_to_reading_in_turn(tmp_
 
     from offload.checkpoint import save as save_mod
 
-    if not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
-
     def engine(name: str, budget: int):
         import dataclasses
 
@@ -202,9 +179,7 @@ def test_nvme_save_with_a_budget_for_one_unit_falls_back_to_reading_in_turn(tmp_
 
 @pytest.fixture
 def swap(tmp_path) -> str:
-    """A swap directory for an NVMe-tier engine (skips where the tier does not exist)."""
-    if not nvme_available():
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
+    """A swap directory for an NVMe-tier engine."""
     d = tmp_path / "swap"
     d.mkdir()
     return str(d)
@@ -322,11 +297,7 @@ def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path, swap):
 
 
 WS2_CASES = ("fp32", "bf16", "fp32-nvme", "bf16-nvme")
-"""dtype[-tier]: the tier defaults to cpu; the NVMe ones join where the tier exists."""
-
-
-def _ws2_cases() -> tuple[str, ...]:
-    return WS2_CASES if nvme_available() else tuple(c for c in WS2_CASES if "nvme" not in c)
+"""dtype[-tier]: the tier defaults to cpu."""
 
 
 def _build_case(case: str, ckdir: str, seed: int):
@@ -370,13 +341,13 @@ def _ws2_phase(rank: int, world_size: int, phase: str, ckdir: str, dtypes=WS2_CA
 @pytest.fixture(scope="module")
 def ws2_checkpoint(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("ws2"))
-    first = run_distributed(_ws2_phase, 2, "first", d, _ws2_cases())
+    first = run_distributed(_ws2_phase, 2, "first", d, WS2_CASES)
     return d, first
 
 
 def test_resume_is_exact_world_size_2(ws2_checkpoint):
     d, _ = ws2_checkpoint
-    cases = _ws2_cases()
+    cases = WS2_CASES
     straight = run_distributed(_ws2_phase, 2, "straight", d, cases)[0]
     resumed = run_distributed(_ws2_phase, 2, "second", d, cases)
     for case in cases:
@@ -398,8 +369,6 @@ def test_resume_across_world_sizes_2_to_1_to_2(ws2_checkpoint, tmp_path, case):
     """Re-sharding: with the NVMe tier the state is copied into the swap file (a load at
     another world size cannot read it in place)."""
     d, first = ws2_checkpoint
-    if case not in first[0]:
-        pytest.skip("optimizer_tier='nvme' is not available in this build yet")
     # 2 -> 1: each unit's state is the two saved shards end to end (moments: the optimized
     # prefix, which the two ranks' moment shards tile).
     per_rank = [first[0][case + "/states"], first[1][case + "/states"]]

@@ -208,24 +208,22 @@ def test_zero_init_builds_on_meta_like_a_plain_construction():
     engine.destroy()
 
 
-def test_checkpoints_go_to_the_engine_or_say_they_are_missing(tmp_path):
+def test_checkpoints_go_to_the_engine(tmp_path):
     model, batches = _gpt_and_data()
     engine, *_ = deepspeed.initialize(model=model, config=DS)
     _train(engine, batches[:2])
-    if not hasattr(offload.Engine, "save_checkpoint"):
-        with pytest.raises(NotImplementedError, match="no checkpoints"):
-            engine.save_checkpoint(tmp_path)
-        with pytest.raises(NotImplementedError, match="no checkpoints"):
-            engine.load_checkpoint(tmp_path)
-    else:
-        engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3})
-        before = engine.engine.full_state_dict()
-        _train(engine, batches[2:])
-        path, client = engine.load_checkpoint(str(tmp_path))
-        assert client["epoch"] == 3 and path
-        after = engine.engine.full_state_dict()
-        for k in before:
-            assert torch.equal(before[k], after[k]), k
+    engine.save_checkpoint(tmp_path, tag=7, client_state={"epoch": 3})  # DeepSpeed allows int tags
+    before = engine.engine.full_state_dict()
+    _train(engine, batches[2:])
+    path, client = engine.load_checkpoint(str(tmp_path))
+    assert client["epoch"] == 3 and os.path.basename(path) == "7"
+    after = engine.engine.full_state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    with pytest.raises(NotImplementedError, match=r"load_checkpoint\(load_module_only=True\) is not supported"):
+        engine.load_checkpoint(str(tmp_path), load_module_only=True)
+    with pytest.raises(NotImplementedError, match=r"save_checkpoint\(save_latest=False\) is not supported"):
+        engine.save_checkpoint(str(tmp_path), save_latest=False)
     engine.save_16bit_model(str(tmp_path / "weights"))
     saved = torch.load(tmp_path / "weights" / "pytorch_model.bin")
     assert saved.keys() == engine.engine.full_state_dict().keys()

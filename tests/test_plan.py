@@ -171,12 +171,6 @@ def test_plan_equals_engine_memory_bytes_world_size_2(dtype, param_tier):
     assert 0 < max(gathered0, gathered1) <= est.working_device_bytes
 
 
-def _nvme_available() -> bool:
-    return plan_mod.nvme_tier_available()
-
-
-@pytest.mark.skipif(not _nvme_available(), reason="this build has no NVMe tier (offload.tiers "
-                    "has no Tier of kind 'nvme'); the NVMe cases run once it lands")
 @pytest.mark.parametrize("param_tier,optimizer_tier", [("nvme", "cpu"), ("device", "nvme"),
                                                        ("cpu", "nvme"), ("nvme", "nvme")])
 def test_plan_equals_engine_memory_bytes_nvme(tmp_path, param_tier, optimizer_tier):
@@ -295,14 +289,6 @@ def test_frozen_parameters_get_no_optimizer_state():
     assert b.per_rank.host == pytest.approx((10 * 99 + 18) * 10**6, rel=1e-3)
     assert plan_mod.plan(full, machine=m).trainable_params == 10**8
     assert plan_mod.plan(lora, machine=m).trainable_params == 10**6
-
-
-def test_nvme_placements_excluded_when_the_build_lacks_the_tier(monkeypatch):
-    monkeypatch.setattr(plan_mod, "nvme_tier_available", lambda: False)
-    m = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB", nvme_free="2TiB")
-    p = plan(7e9, machine=m, dtype="bf16", require_available=True)
-    assert p.recommended is None
-    assert "this build has no NVMe tier" in p.estimate("device", "nvme").problems
 
 
 # -- parsing and the CLI ----------------------------------------------------------------------

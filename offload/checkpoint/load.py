@@ -181,7 +181,7 @@ def _source_in_place(
     (the load copies the state into the slot). See [Note: adopted state] in
     offload/optim_state.py."""
     store = engine.optimizer.store
-    if not hasattr(store, "adopt") or saved["world_size"] != engine.world_size:
+    if store.kind != "nvme" or saved["world_size"] != engine.world_size:
         return None
     file, by_key = records[engine.rank]
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
@@ -230,7 +230,7 @@ def _open_units(engine: Any, in_place: bool) -> int:
 def _state_in_host_memory(engine: Any) -> bool:
     """Whether `unit_state` hands out the optimizer's own host tensors (the 'host' store),
     which a load may then fill in place; the NVMe store hands out pooled copies."""
-    return getattr(getattr(engine.optimizer, "store", None), "kind", None) == "host"
+    return engine.optimizer.store.kind == "host"
 
 
 def _check_live(unit: Any, dest: dict[str, torch.Tensor], shard_numel: int, n_opt: int) -> None:

@@ -84,7 +84,7 @@ def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) 
         },
         "param_groups": len(engine.optimizer.param_groups),
         "global_steps": engine.global_steps,
-        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg),
+        "config": cfg.to_dict(),
         "model": model_signature(engine),
         "ranks": ranks,
     }

@@ -207,10 +207,7 @@ SSE4.2: csrc/common/checksum.cpp, ~5 GB/s per core against zlib CRC-32's ~3.8); 
 that name "crc32" are verified with zlib."""
 
 
-def _default_checksum() -> str:
-    from offload._native import C
-
-    return "crc32c" if hasattr(C, "crc32c") else "crc32"
+DEFAULT_CHECKSUM = "crc32c"
 
 
 class ShardWriter:
@@ -233,7 +230,7 @@ class ShardWriter:
         self.window = max(1, int(window))
         self.ring = ring if ring is not None else StagingRing(self.window, chunk_bytes)
         self._own_ring = ring is None
-        self.checksum = _default_checksum()
+        self.checksum = DEFAULT_CHECKSUM
         self._workers = ThreadPoolExecutor(max(1, int(workers)), thread_name_prefix="ckpt-write")
         self._inflight: collections.deque = collections.deque()
         """Chunks in flight, oldest first, and `when_written` callbacks between them."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import logging
 import os
 import types
@@ -99,7 +98,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def is_compile_supported() -> bool:
-    return hasattr(torch, "compile")
+    return True  # torch >= 2.4 (offload's floor) always has torch.compile
 
 
 # --------------------------------------------------------------------------------------
@@ -421,32 +420,21 @@ class DeepSpeedEngine:
     def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None,
                         client_state: Optional[Mapping[str, Any]] = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> Any:
-        save = getattr(self.engine, "save_checkpoint", None)
-        if save is None:
-            raise NotImplementedError("engine.save_checkpoint: this offload build has no "
-                                      "checkpoints; use engine.full_state_dict() for the weights")
-        return _call_accepted(save, save_dir, tag=tag, client_state=dict(client_state or {}),
-                              save_latest=save_latest,
-                              exclude_frozen_parameters=exclude_frozen_parameters)
+        _refuse_non_default("save_checkpoint", save_latest=(save_latest, True),
+                            exclude_frozen_parameters=(exclude_frozen_parameters, False))
+        return self.engine.save_checkpoint(os.fspath(save_dir), tag=None if tag is None else str(tag),
+                                           client_state=dict(client_state or {}))
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Any = None) -> tuple[Any, Any]:
         """Returns (load_path, client_state), as DeepSpeed."""
-        if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by offload")
-        load = getattr(self.engine, "load_checkpoint", None)
-        if load is None:
-            raise NotImplementedError("engine.load_checkpoint: this offload build has no "
-                                      "checkpoints; use engine.load_full_state_dict() for weights")
-        out = _call_accepted(load, load_dir, tag=tag, load_module_strict=load_module_strict,
-                             load_optimizer_states=load_optimizer_states,
-                             load_lr_scheduler_states=load_lr_scheduler_states,
-                             load_module_only=load_module_only)
-        if isinstance(out, tuple) and len(out) == 2:
-            return out
-        return (os.fspath(load_dir), out if isinstance(out, Mapping) else {})
+        _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
+                            load_optimizer_states=(load_optimizer_states, True),
+                            load_lr_scheduler_states=(load_lr_scheduler_states, True),
+                            load_module_only=(load_module_only, False), custom_load_fn=(custom_load_fn, None))
+        return self.engine.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag))
 
     def save_16bit_model(self, save_dir: Union[str, os.PathLike],
                          save_filename: str = "pytorch_model.bin",
@@ -478,23 +466,16 @@ class DeepSpeedEngine:
         return getattr(engine.module, name)
 
 
-def _call_accepted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call fn with the keyword arguments it declares; an argument it lacks that was given a
-    non-default value is an error naming it (never dropped silently)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **kwargs)
-    defaults = {"tag": None, "client_state": {}, "save_latest": True, "exclude_frozen_parameters": False,
-                "load_module_strict": True, "load_optimizer_states": True,
-                "load_lr_scheduler_states": True, "load_module_only": False}
-    passed = {}
-    for key, value in kwargs.items():
-        if key in params:
-            passed[key] = value
-        elif value != defaults.get(key, object()):
-            raise NotImplementedError(f"{getattr(fn, '__name__', 'checkpoint')}({key}={value!r}) is "
-                                      "not supported by this offload build; leave it at its default")
-    return fn(*args, **passed)
+def _refuse_non_default(method: str, **given: tuple[Any, Any]) -> None:
+    """Raise for an argument of a DeepSpeed engine method that offload cannot honour and
+    that was given a non-default value (never drop it silently)."""
+    for key, (value, default) in given.items():
+        if value != default:
+            raise NotImplementedError(
+                f"{method}({key}={value!r}) is not supported by offload; leave it at its default "
+                f"({default!r}): an offload checkpoint always holds the module, the optimizer "
+                "and the schedule of every rank"
+            )
 
 
 # --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Optional
 
 import torch
@@ -22,6 +23,10 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _ISAS = ("auto", "scalar", "portable", "avx2", "avx512")
+ISA_ENV = "OFFLOAD_ADAM_ISA"
+"""The environment variable that forces the kernel of every Adam step in the process (and
+in the processes it starts): how a test or a user reproduces another CPU's code path, as
+ATEN_CPU_CAPABILITY does for torch's own kernels. Unset or 'auto': the best this CPU runs."""
 
 
 def adam_step_flat_reference(
@@ -102,10 +107,10 @@ def adam_step_flat(
     even. All tensors are CPU (pinned is fine), contiguous, with the same number of
     elements; any shape, including views into a larger flat buffer.
 
-    `isa` forces a kernel ('scalar', 'portable', 'avx2', 'avx512'; None picks the best
-    this CPU supports, see `adam_isa()`), `threads` the thread count (None: the default
-    of `set_num_threads`). Results do not depend on either. The GIL is released while the
-    update runs.
+    `isa` forces a kernel ('scalar', 'portable', 'avx2', 'avx512'; None: the one `adam_isa()`
+    names, the best this CPU supports unless OFFLOAD_ADAM_ISA forces another), `threads`
+    the thread count (None: the default of `set_num_threads`). Results do not depend on
+    either. The GIL is released while the update runs.
     """
     _check_tensor("master", master, (torch.float32,))
     _check_tensor("grad", grad, _GRAD_DTYPES)
@@ -130,7 +135,7 @@ def adam_step_flat(
     _check_no_overlap(named)
     step_int = _check_step(step)
     if isa is None:
-        isa = "auto"
+        isa = _forced_isa()
     elif isa not in _ISAS:
         raise ValueError(f"isa={isa!r} is not a kernel name; choose one of {_ISAS} or None")
     if threads is None:
@@ -162,9 +167,30 @@ def adam_step_flat(
     )
 
 
+def _forced_isa() -> str:
+    """The kernel OFFLOAD_ADAM_ISA names ('auto' when unset), checked against this CPU."""
+    name = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
+    if name == "auto":
+        return name
+    if name not in _ISAS:
+        raise ValueError(
+            f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not an Adam kernel; set it to one of "
+            f"{', '.join(_ISAS)}, or unset it"
+        )
+    supported = supported_isas()
+    if name not in supported:
+        raise ValueError(
+            f"{ISA_ENV}={name!r}: this CPU cannot run the {name} Adam kernel; it runs "
+            f"{', '.join(supported)} (unset {ISA_ENV} for the best, {C.adam_isa()!r})"
+        )
+    return name
+
+
 def adam_isa() -> str:
-    """The kernel `adam_step_flat` uses on this CPU: 'avx512', 'avx2' or 'portable'."""
-    return C.adam_isa()
+    """The kernel `adam_step_flat` uses by default in this process: the best this CPU
+    supports ('avx512', 'avx2' or 'portable'), or the one OFFLOAD_ADAM_ISA forces."""
+    forced = _forced_isa()
+    return C.adam_isa() if forced == "auto" else forced
 
 
 def supported_isas() -> list[str]:
