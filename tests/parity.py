@@ -151,8 +151,9 @@ class Fp32Bound:
     references of the same loop (see [Note: derived tolerances])."""
 
     def __init__(self, truth: Mapping[str, torch.Tensor], references: Mapping[str, Mapping[str, torch.Tensor]],
-                 multiple: float = FP32_MULTIPLE) -> None:
+                 multiple: float = FP32_MULTIPLE, truth_name: str = "float64 truth") -> None:
         self.truth = dict(truth)
+        self.truth_name = truth_name
         self.multiple = multiple
         self.sources = ", ".join(references)
         self.noise: dict[str, float] = {}
@@ -189,7 +190,7 @@ class Fp32Bound:
             if ratio > 1:
                 scale = float(self.truth[k].abs().max())
                 rows.append(
-                    f"  {k}: max |{what} - float64 truth| = {err:.3g} ({err / scale if scale else 0:.3g} of "
+                    f"  {k}: max |{what} - {self.truth_name}| = {err:.3g} ({err / scale if scale else 0:.3g} of "
                     f"max |truth| {scale:.3g}) > bound {bound:.3g} = {self.multiple:g} x {bound / self.multiple:.3g}"
                 )
         return max(worst, 0.0), worst_k, rows
@@ -204,7 +205,7 @@ class Fp32Bound:
         MARGINS.append(Margin(what, worst, worst_k))
         assert not rows, (
             f"{what}: {len(rows)} tensor(s) outside the fp32 bound\n" + "\n".join(rows)
-            + f"\n  bound per tensor = {self.multiple:g} x the largest distance from the float64 run of: "
+            + f"\n  bound per tensor = {self.multiple:g} x the largest distance from the {self.truth_name} of: "
             f"{self.sources} (or one fp32 ulp at the tensor's scale); see [Note: derived tolerances] "
             "in tests/parity.py"
         )

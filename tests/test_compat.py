@@ -230,17 +230,29 @@ def test_checkpoints_go_to_the_engine(tmp_path):
     engine.destroy()
 
 
+PEER_MULTIPLE = 32.0
+"""For a peer's own optimizer arithmetic. Measured (DeepSpeed 0.19.8, 3 steps): torch's two
+AdamWs and offload on other kernels all land within 1.2e-9 of offload on ln_f.bias (a tensor
+of scale 3e-3 with small gradients), DeepSpeed's CPU Adam 1.0e-8 from it: 9x the measured
+noise, a systematic difference in how it rounds the update, not noise of this machine. So a
+peer gets 32x (the suite's 8x for its own runs, times 4). A wrong run (a lost micro-batch, a wrong scale) is O(lr) = 1e-3 away: 1e4x further."""
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path):
-    """examples/deepspeed_user.py run twice: as written (offload.compat) and with its import
-    line changed back to `import deepspeed` (DeepSpeed ZeRO-3, CPU offload, its CPU Adam).
+    """examples/deepspeed_user.py as written (offload.compat) and with its import line changed
+    back to `import deepspeed` (DeepSpeed ZeRO-3, CPU offload, its CPU Adam): the same
+    parameters, within a bound measured in this test.
 
-    Tolerance: fp32, 3 optimizer steps. Both compute the same gradients up to summation order
-    and the two CPU Adams round differently, O(1e-7) relative per step: per tensor, max
-    |offload - deepspeed| <= 1e-5 x max |deepspeed| (measured <= 3.4e-6). Exception: the qkv
-    bias, whose key third has an exactly-zero true gradient (softmax ignores a per-query
-    constant), so its "gradient" is rounding noise that Adam turns into lr-sized steps in
-    either implementation: bounded by steps x lr (measured 2e-5)."""
+    fp32, 3 optimizer steps. Both compute the same gradients up to summation order, and the
+    two CPU Adams round differently. The noise floor is measured per tensor as the largest
+    distance from offload's run of: offload when torch and MKL take other CPUs' code paths
+    (ATEN_CPU_CAPABILITY=default; =avx2 with MKL_CBWR=COMPATIBLE), and the same training in
+    plain torch with its for-loop and its fused AdamW (other roundings of the forward,
+    backward and optimizer arithmetic); DeepSpeed must land within PEER_MULTIPLE x of it
+    (tests/parity.py, [Note: derived tolerances]). That covers the qkv bias, whose key third
+    has a true gradient of 0 and so moves by lr-sized steps of rounding noise in any
+    implementation: the measured noise carries the same amplification."""
     src = open(os.path.join(EXAMPLES, "deepspeed_user.py")).read()
     line = "import offload.compat.deepspeed as deepspeed  # was: import deepspeed"
     assert line in src  # the switch is this one line
@@ -256,23 +268,52 @@ def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path
     args = ["--steps", "3", "--layers", "2", "--d-model", "32", "--vocab", "64", "--seq", "16",
             "--samples", "64", "--deepspeed_config", str(ds_json)]
     weights = {}
-    for name, script in (("offload", os.path.join(EXAMPLES, "deepspeed_user.py")),
-                         ("deepspeed", str(tmp_path / "real_ds_user.py"))):
+    offload_script = os.path.join(EXAMPLES, "deepspeed_user.py")
+    for name, script, extra_env in (
+        ("offload", offload_script, {}),
+        ("offload-default-kernels", offload_script, {"ATEN_CPU_CAPABILITY": "default"}),
+        ("offload-avx2-kernels", offload_script, {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}),
+        ("deepspeed", str(tmp_path / "real_ds_user.py"), {}),
+    ):
         from tests.conftest import free_port
 
         # DeepSpeed's init_distributed wants a launcher's environment (else MPI discovery).
         env = {**os.environ, "PYTHONPATH": EXAMPLES + os.pathsep + root, "RANK": "0",
                "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+               "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **extra_env}
         out = subprocess.run([sys.executable, script, *args, "--save-model", str(tmp_path / name)],
                              capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
         assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr[-4000:]}"
         weights[name] = torch.load(tmp_path / name / "pytorch_model.bin")
-    ours, theirs = weights["offload"], weights["deepspeed"]
-    assert ours.keys() == theirs.keys()
-    for k in theirs:
-        diff = (ours[k].float() - theirs[k].float()).abs().max().item()
-        if k.endswith("qkv.bias"):
-            assert diff <= 3 * 1e-3, k
-        else:
-            assert diff <= 1e-5 * theirs[k].float().abs().max().item(), (k, diff)
+    from tests.parity import Fp32Bound, plain_loop
+
+    # The same training in plain torch (the script's model, data order, accumulation and
+    # clipping): torch's for-loop and fused AdamW are two more realisations, of the
+    # optimizer's arithmetic this time.
+    sys.path.insert(0, EXAMPLES)
+    try:
+        import deepspeed_user
+        import train_gpt
+    finally:
+        sys.path.remove(EXAMPLES)
+    ns = deepspeed_user.get_args(args[:-2])
+    data = deepspeed_user.make_dataset(ns)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [data[order[i : i + 4]] for i in range(0, 6 * 4, 4)]  # 3 steps x 2 micro-batches
+
+    def gpt():
+        torch.manual_seed(0)
+        return train_gpt.GPT(ns.vocab, ns.d_model, ns.layers, n_head=4, seq=ns.seq)
+
+    def plain(fused: bool):
+        return plain_loop(gpt, batches, lr=1e-3, weight_decay=0.1, gas=2, clip=1.0, fused=fused)
+
+    ours = weights["offload"]
+    assert ours.keys() == weights["deepspeed"].keys()
+    bound = Fp32Bound(ours, {
+        "offload on torch's default (non-SIMD) CPU kernels": weights["offload-default-kernels"],
+        "offload on torch's AVX2 kernels and MKL's compatible GEMMs": weights["offload-avx2-kernels"],
+        "plain torch, for-loop AdamW": plain(False),
+        "plain torch, fused AdamW": plain(True),
+    }, multiple=PEER_MULTIPLE, truth_name="offload")
+    bound.check(weights["deepspeed"], "DeepSpeed ZeRO-3")
