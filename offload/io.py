@@ -279,17 +279,29 @@ class IORequest:
     buffer alive once the pool has let it go.
     """
 
-    __slots__ = ("_native", "_buffer", "op")
+    __slots__ = ("_native", "_buffer", "op", "_name")
 
-    def __init__(self, native, buffer: torch.Tensor, op: str) -> None:
+    def __init__(self, native, buffer: torch.Tensor, op: str, name: Optional[str] = None) -> None:
         self._native = native
         self._buffer = buffer
         self.op = op
         """'pread' or 'pwrite'."""
+        self._name = name
+        """What errors call the file, when the path opened is another name for it (a held
+        file's /proc/self/fd/N)."""
 
     @property
     def path(self) -> str:
-        return self._native.path
+        """The file, as errors name it."""
+        return self._name or self._native.path
+
+    def _renamed(self, exc: OSError, cls: type) -> OSError:
+        """`exc` with the opened path replaced by the file's name."""
+        if self._name is None:
+            return exc if cls is type(exc) else cls(exc.errno, exc.strerror, exc.filename)
+        opened = self._native.path
+        text = (exc.strerror or "").replace(opened, self._name)
+        return cls(exc.errno, text, self._name)
 
     @property
     def offset(self) -> int:
@@ -317,9 +329,11 @@ class IORequest:
             done = self._native.wait(-1.0 if timeout is None else max(0.0, timeout))
         except OSError as exc:
             self._buffer = None
-            if self._native.short_read:
-                raise ShortReadError(exc.errno, exc.strerror, exc.filename) from None
-            raise
+            cls = ShortReadError if self._native.short_read else type(exc)
+            renamed = self._renamed(exc, cls)
+            if renamed is exc:
+                raise
+            raise renamed from None
         if done:
             self._buffer = None
         if not done:
@@ -421,13 +435,15 @@ class AIOHandle:
     threads = property(lambda self: self._engine.threads, doc="Worker threads.")
     buffered = property(lambda self: self._engine.buffered, doc="O_DIRECT disabled by the caller.")
 
-    def pread(self, buf: torch.Tensor, path: PathLike, offset: int = 0) -> IORequest:
-        """Start reading ``buf.nbytes`` bytes of ``path`` at ``offset`` into ``buf``."""
-        return self._submit(False, buf, path, offset)
+    def pread(self, buf: torch.Tensor, path: PathLike, offset: int = 0, *, name: Optional[str] = None) -> IORequest:
+        """Start reading ``buf.nbytes`` bytes of ``path`` at ``offset`` into ``buf``.
+        ``name``: what errors call the file when ``path`` is another name for it (a held
+        descriptor's /proc/self/fd/N)."""
+        return self._submit(False, buf, path, offset, name)
 
-    def pwrite(self, buf: torch.Tensor, path: PathLike, offset: int = 0) -> IORequest:
+    def pwrite(self, buf: torch.Tensor, path: PathLike, offset: int = 0, *, name: Optional[str] = None) -> IORequest:
         """Start writing ``buf``'s bytes to ``path`` at ``offset`` (creating the file)."""
-        return self._submit(True, buf, path, offset)
+        return self._submit(True, buf, path, offset, name)
 
     def wait_all(self, requests: Iterable[IORequest], timeout: Optional[float] = None) -> None:
         """See ``offload.io.wait_all``."""
@@ -477,7 +493,8 @@ class AIOHandle:
         )
 
     # -- internals --
-    def _submit(self, write: bool, buf: torch.Tensor, path: PathLike, offset: int) -> IORequest:
+    def _submit(self, write: bool, buf: torch.Tensor, path: PathLike, offset: int,
+                name: Optional[str] = None) -> IORequest:
         op = "pwrite" if write else "pread"
         _check_buffer(buf, op)
         path_str = _check_path(path, op)
@@ -488,7 +505,7 @@ class AIOHandle:
         if self._closed:
             raise ValueError("this AIOHandle is closed; create a new one")
         native = self._engine.submit(write, buf.data_ptr(), buf.nbytes, path_str, offset)
-        req = IORequest(native, buf, op)
+        req = IORequest(native, buf, op, name)
         if not self._warned and not self._buffered and not native.direct:
             self._warned = True
             warnings.warn(

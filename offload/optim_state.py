@@ -490,7 +490,7 @@ class NVMeOptimizerStates:
             ctx.stats.bytes_read += sum(n for _, _, n in source.parts)
             return Pending(reqs, stats=ctx.stats)
         slot = self._swap.check_readable(index)
-        req = ctx.aio.pread(buf[: slot.nbytes], self._swap.path, slot.offset)
+        req = self._swap.read(ctx.aio, buf[: slot.nbytes], slot.offset)
         ctx.stats.bytes_read += slot.nbytes
         return Pending([req], stats=ctx.stats)
 
@@ -507,7 +507,7 @@ class NVMeOptimizerStates:
             self.cancel_prefetch(index)  # a read submitted ahead would hold the old bytes
             self._wait_write(index)
             slot = self._swap.slots[index]
-            req = ctx.aio.pwrite(buf[: slot.nbytes], self._swap.path, slot.offset)
+            req = self._swap.write(ctx.aio, buf[: slot.nbytes], slot.offset)
         except BaseException:
             wait_quietly(holds)
             ctx.staging.release(buf)

@@ -25,7 +25,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 # One alignment rule for the whole project: offload.io's (O_DIRECT's 4 KiB).
 from offload.io import ALIGNMENT as PAGE_BYTES
@@ -200,14 +200,25 @@ def _read_quietly(fd: int) -> str:
 
 
 class SwapFile:
-    """A preallocated file of aligned slots, with a record of which slots hold data."""
+    """A preallocated file of aligned slots, with a record of which slots hold data.
+
+    [Note: held swap file] The file is held open for the swap file's life and every request
+    opens it through that descriptor (/proc/self/fd/N), never by its path: if another program
+    deletes or replaces the path mid-run (a tmp cleaner, a user), offload keeps reading and
+    writing its own inode, so nothing is lost or read back as zeros (a request by path with
+    O_CREAT would write a fresh sparse file, whose unwritten slots read as zeros). The first
+    request after such a change logs a warning naming the file; the disk space stays in use
+    until `close()`. `delete()` unlinks the path only while it is still this file.
+    """
+
+    _PROC_FD = "/proc/self/fd"
 
     def __init__(self, path: str, slots: list[Slot], total_bytes: int) -> None:
         self.path = path
         self.slots = slots
         self.total_bytes = total_bytes
         check_free_space(os.path.dirname(path), total_bytes, f"swap file {os.path.basename(path)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             if total_bytes:
                 os.posix_fallocate(fd, 0, total_bytes)
@@ -220,8 +231,44 @@ class SwapFile:
                 f"free space on that disk or point nvme_path elsewhere",
                 path,
             ) from exc
-        os.close(fd)
+        self._fd: Optional[int] = fd
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._io_path = f"{self._PROC_FD}/{fd}" if os.path.isdir(self._PROC_FD) else path
+        self._vanished_warned = False
         self._written = [False] * len(slots)
+
+    # -- I/O through the held descriptor -------------------------------------------------
+
+    def read(self, aio: Any, buf: Any, offset: int) -> Any:
+        """Submit a read of `buf.nbytes` bytes at `offset` (an `IORequest`)."""
+        return aio.pread(buf, self._opened(), offset, name=self.path)
+
+    def write(self, aio: Any, buf: Any, offset: int) -> Any:
+        """Submit a write of `buf` at `offset` (an `IORequest`)."""
+        return aio.pwrite(buf, self._opened(), offset, name=self.path)
+
+    def _opened(self) -> str:
+        if self._fd is None:
+            raise RuntimeError(f"swap file {self.path} is closed (the engine was closed)")
+        if not self._vanished_warned and not self.present():
+            self._vanished_warned = True
+            logger.warning(
+                "swap file %s was deleted or replaced by another program during the run; "
+                "offload keeps using its own open copy (nothing is lost; its disk space is "
+                "freed at close). Keep other programs out of nvme_path.", self.path,
+            )
+        return self._io_path
+
+    def present(self) -> bool:
+        """Whether `path` still names this file (not deleted, not replaced)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    # -- which slots hold data -----------------------------------------------------------
 
     def mark_written(self, index: int, written: bool = True) -> None:
         """Record that slot `index` holds data of this run (False after a failed write: its
@@ -241,10 +288,16 @@ class SwapFile:
         return self.slots[index]
 
     def delete(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Unlink the path (if it still names this file) and close the descriptor (which
+        frees the space of a file another program deleted)."""
+        if self.present():
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def swap_bytes_needed(size_lists: Iterable[Sequence[int]]) -> int:

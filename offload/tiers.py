@@ -225,11 +225,11 @@ class NVMeTier(Tier):
         ctx = self._ctx
         ctx.stats.bytes_read += slot.nbytes
         if _direct_ok(out):
-            req = ctx.aio.pread(out, self._swap.path, slot.offset)
+            req = self._swap.read(ctx.aio, out, slot.offset)
             return Pending([req], stats=ctx.stats)
         buf = ctx.staging.acquire(slot.nbytes)
         try:
-            req = ctx.aio.pread(buf, self._swap.path, slot.offset)
+            req = self._swap.read(ctx.aio, buf, slot.offset)
         except BaseException:
             ctx.staging.release(buf)
             raise
@@ -256,7 +256,7 @@ class NVMeTier(Tier):
         if buf is None:
             return None
         try:
-            req = ctx.aio.pread(buf, self._swap.path, slot.offset)
+            req = self._swap.read(ctx.aio, buf, slot.offset)
         except BaseException:
             ctx.staging.release(buf)
             raise
@@ -273,13 +273,13 @@ class NVMeTier(Tier):
         ctx = self._ctx
         on_error = lambda: self._swap.mark_written(i, False)  # noqa: E731
         if _direct_ok(src):
-            req = ctx.aio.pwrite(src, self._swap.path, slot.offset)
+            req = self._swap.write(ctx.aio, src, slot.offset)
             handle = Pending([req], on_error=on_error, stats=ctx.stats)
         else:
             buf = ctx.staging.acquire(slot.nbytes)
             try:
                 buf.view(src.dtype).copy_(src.reshape(-1))
-                req = ctx.aio.pwrite(buf, self._swap.path, slot.offset)
+                req = self._swap.write(ctx.aio, buf, slot.offset)
             except BaseException:
                 ctx.staging.release(buf)
                 raise

@@ -145,13 +145,13 @@ class _SlowAIO(offload.nvme.AIOHandle):
         super().__init__(*args, **kwargs, inject_delay_s=0.004)
         self._writes: list = []
 
-    def pread(self, buf, path, offset=0):
+    def pread(self, buf, path, offset=0, *, name=None):
         self._check("pread", buf, path, offset)
-        return super().pread(buf, path, offset)
+        return super().pread(buf, path, offset, name=name)
 
-    def pwrite(self, buf, path, offset=0):
+    def pwrite(self, buf, path, offset=0, *, name=None):
         self._check("pwrite", buf, path, offset)
-        req = super().pwrite(buf, path, offset)
+        req = super().pwrite(buf, path, offset, name=name)
         self._writes.append((os.fspath(path), offset, buf.nbytes, req))
         return req
 
@@ -380,6 +380,49 @@ def test_stale_swap_file_of_a_crashed_run_is_not_read(tmp_path, baselines):
     for k, v in baselines[("gpt", "fp32")].items():
         assert torch.equal(sd[k], v), k
     assert swap_dir_is_gone(tmp_path)
+
+
+def _train_gpt_with_hook(cfg, hook_module: str, hook) -> dict:
+    """engine_train("gpt", cfg), with `hook(micro_batch_index)` run in a forward pre-hook of
+    `hook_module` (the same weights, batches and order as engine_train)."""
+    torch.manual_seed(0)
+    m = MODELS["gpt"]()
+    engine = offload.initialize(m, cfg)
+    step = [0]
+    m.get_submodule(hook_module).register_forward_pre_hook(lambda *_: hook(step[0]))
+    for x, y in gpt_batches(20):
+        engine.backward(engine(x, y))
+        engine.step()
+        step[0] += 1
+    sd = engine.full_state_dict()
+    engine.close()
+    return sd
+
+
+def test_swap_files_deleted_or_replaced_mid_step_lose_nothing(tmp_path, baselines, caplog):
+    """Another program deletes both swap files in the middle of a step's forward (after
+    blocks.0's shard was read, before blocks.1's), and later replaces them with files of its
+    own: training goes on through the held descriptors bit for bit, the warning names each
+    file once, and close() deletes neither foreign file ([Note: held swap file])."""
+    swap = tmp_path / "offload-swap"
+    names = ("rank0.param.swap", "rank0.optim.swap")
+
+    def meddle(i: int) -> None:
+        if i == 5:
+            for n in names:
+                os.unlink(swap / n)
+        if i == 11:
+            for n in names:
+                (swap / n).write_bytes(b"not offload's")
+
+    with caplog.at_level("WARNING", logger="offload"):
+        sd = _train_gpt_with_hook(tier_config(tmp_path), "blocks.1", meddle)
+    for k, v in baselines[("gpt", "fp32")].items():
+        assert torch.equal(sd[k], v), k
+    warned = [r.getMessage() for r in caplog.records if "deleted or replaced" in r.getMessage()]
+    assert len(warned) == 2 and all(any(n in w for w in warned) for n in names), warned
+    for n in names:  # the foreign files are not offload's to delete
+        assert (swap / n).read_bytes() == b"not offload's"
 
 
 # -- layout -----------------------------------------------------------------------------------
