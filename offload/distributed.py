@@ -42,6 +42,13 @@ class ProcessGroupInfo:
     started_here: bool
     """True when `setup_process_group` created the group (and so may destroy it)."""
 
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this node (they share its disk): torchrun's LOCAL_WORLD_SIZE, or, from a
+        launcher that does not say, every rank (one node)."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        return max(1, min(int(local), self.world_size)) if local.isdigit() else self.world_size
+
 
 def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessGroupInfo:
     """Use the existing default group, or start one from torchrun's environment, or none.

@@ -300,7 +300,7 @@ class Engine:
 
     def _check_nvme(self, planned: list, mdtype: torch.dtype, state_layout: Any) -> None:
         """What NVMe tiers need of the machine, checked before anything is created."""
-        from offload.swap import check_free_space, check_swap_dir, swap_bytes_needed
+        from offload.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
 
         off = self.config.offload
         check_swap_dir(off.nvme_path)
@@ -335,11 +335,15 @@ class Engine:
             )
         total = swap_bytes_needed([param_sizes, optim_sizes])
         # Every rank of this node puts its files on the same disk: check for all of them
-        # (shards are equal-sized across ranks), before any rank preallocates.
+        # (shards are equal-sized across ranks), before any rank preallocates. Ranks on
+        # other nodes use their own disks. Stale files of a crashed run count as free:
+        # opening the swap directory deletes them.
+        local = self.pg.local_world_size
         check_free_space(
-            off.nvme_path, total * self.world_size,
-            f"the swap files of {self.world_size} rank(s) ({total} bytes each: parameters "
+            off.nvme_path, total * local,
+            f"the swap files of {local} rank(s) on this node ({total} bytes each: parameters "
             f"{sum(param_sizes)}, optimizer states {sum(optim_sizes)})",
+            reclaimable_bytes=stale_swap_bytes(off.nvme_path),
         )
 
     def _agree_on(self, error: Optional[BaseException]) -> None:

@@ -34,6 +34,9 @@ from offload.io import align_up
 logger = logging.getLogger(__name__)
 
 SWAP_SUBDIR = "offload-swap"
+LOCK_WAIT_S = 2.0
+"""How long opening a swap directory waits for its rank's lock before calling the holder a
+live run (another rank may hold it for a moment while it deletes stale files)."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,84 @@ def plan_slots(sizes: Sequence[int], alignment: int = PAGE_BYTES) -> tuple[list[
     return slots, offset
 
 
-def check_free_space(path: str, needed_bytes: int, what: str) -> None:
-    """Raise OSError(ENOSPC) naming the numbers when `path`'s filesystem cannot hold `needed_bytes`."""
+def check_free_space(path: str, needed_bytes: int, what: str, reclaimable_bytes: int = 0) -> None:
+    """Raise OSError(ENOSPC) naming the numbers when `path`'s filesystem cannot hold
+    `needed_bytes`, counting `reclaimable_bytes` (stale swap files that opening the swap
+    directory deletes) as free."""
     free = shutil.disk_usage(path).free
-    if needed_bytes > free:
+    if needed_bytes > free + reclaimable_bytes:
+        stale = (f" (plus {_size(reclaimable_bytes)} of stale swap files that will be removed)"
+                 if reclaimable_bytes else "")
         raise OSError(
             errno.ENOSPC,
-            f"not enough free space for {what}: it needs {_gib(needed_bytes)} "
-            f"({needed_bytes} bytes) but {path} has {_gib(free)} free; free space there or "
-            f"point nvme_path at a larger disk",
+            f"not enough free space for {what}: it needs {_size(needed_bytes)} "
+            f"({needed_bytes} bytes) but {path} has {_size(free)} free{stale}; free space there "
+            f"or point nvme_path at a larger disk",
             path,
         )
+
+
+def _rank_of(name: str) -> Optional[int]:
+    """R of a swap file name `rank{R}.{tier}.swap`, else None."""
+    if not (name.startswith("rank") and name.endswith(".swap")):
+        return None
+    head = name[4:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _try_lock(lock_path: str) -> Optional[int]:
+    """An fd holding a rank's lock file exclusively (created if missing: its run is gone),
+    or None when a live run holds it."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    if not _same_file(fd, lock_path):  # replaced meanwhile: its new owner is alive
+        os.close(fd)
+        return None
+    return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def stale_swap_bytes(nvme_path: str) -> int:
+    """Bytes of swap files under `nvme_path` that runs which are no longer alive left behind
+    (their rank's lock is free): the next `SwapDirectory` opened there deletes them, so a
+    free-space check may count them as free ([Note: stale swap files])."""
+    directory = os.path.join(nvme_path, SWAP_SUBDIR)
+    if not os.path.isdir(directory):
+        return 0
+    total = 0
+    by_rank: dict[int, list[str]] = {}
+    for name in os.listdir(directory):
+        rank = _rank_of(name)
+        if rank is not None:
+            by_rank.setdefault(rank, []).append(os.path.join(directory, name))
+    for rank, paths in by_rank.items():
+        lock = os.path.join(directory, f"rank{rank}.lock")
+        if os.path.exists(lock):
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only to look: released below
+            except BlockingIOError:
+                continue  # a live run's files
+            finally:
+                os.close(fd)
+        for p in paths:
+            try:
+                total += os.stat(p).st_blocks * 512  # what deleting it frees
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
@@ -104,6 +174,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _size(n: int) -> str:
+    """Bytes for a message: GiB with enough digits that a small size does not read 0.00."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
 class SwapDirectory:
     """One rank's claim on `<nvme_path>/offload-swap/`: the lock, and the swap files in it.
 
@@ -116,25 +194,7 @@ class SwapDirectory:
         self.rank = rank
         self.path = os.path.join(nvme_path, SWAP_SUBDIR)
         self._lock_path = os.path.join(self.path, f"rank{rank}.lock")
-        for attempt in range(100):
-            os.makedirs(self.path, exist_ok=True)
-            try:
-                self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-                break
-            except FileNotFoundError:
-                # Another rank's close() removed the (then empty) directory between our
-                # makedirs and open; once our lock file is in it, it stays.
-                if attempt == 99:
-                    raise
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _read_quietly(self._lock_fd)
-            os.close(self._lock_fd)
-            raise RuntimeError(
-                f"swap directory {self.path} (rank {rank}) is in use by another live run "
-                f"({owner or 'owner unknown'}); give each run its own nvme_path"
-            ) from None
+        self._lock_fd = self._lock()
         self._remove_stale_files()
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(
@@ -145,13 +205,68 @@ class SwapDirectory:
         self.files: dict[str, "SwapFile"] = {}
         self.closed = False
 
+    def _lock(self) -> int:
+        """Open and lock this rank's lock file; its descriptor.
+
+        A lock on a file that is no longer at `_lock_path` (unlinked by a clean close or by
+        another rank's stale-file cleanup between our open and our flock) is worthless: drop
+        it and open again. Another rank may hold our lock for a moment while it deletes the
+        files our crashed predecessor left; a live run holds it for its whole life, so only
+        after LOCK_WAIT_S is the holder called a live run."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        for attempt in range(1000):
+            os.makedirs(self.path, exist_ok=True)
+            try:
+                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                continue  # another rank's close() removed the (empty) directory just now
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    os.close(fd)
+                    time.sleep(0.02)
+                    continue
+                owner = _read_quietly(fd)
+                os.close(fd)
+                raise RuntimeError(
+                    f"swap directory {self.path} (rank {self.rank}) is in use by another live "
+                    f"run ({owner or 'owner unknown'}); give each run its own nvme_path"
+                ) from None
+            if _same_file(fd, self._lock_path):
+                return fd
+            os.close(fd)
+        raise RuntimeError(f"could not lock {self._lock_path}: it keeps being replaced")
+
     def _remove_stale_files(self) -> None:
-        prefix = f"rank{self.rank}."
+        """Delete the swap files of runs that are gone: this rank's (under our lock), and
+        every other rank's whose lock is free (held while deleting, so that rank's next run
+        cannot create its files in between) - a crash at world size 2 followed by a run at
+        world size 1 would otherwise leave rank 1's files forever."""
+        by_rank: dict[int, list[str]] = {}
         for name in os.listdir(self.path):
-            if name.startswith(prefix) and name.endswith(".swap"):
-                stale = os.path.join(self.path, name)
-                logger.warning("removing stale swap file %s left by a run that did not exit cleanly", stale)
-                os.unlink(stale)
+            rank = _rank_of(name)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(name)
+        for rank, names in sorted(by_rank.items()):
+            fd = None
+            if rank != self.rank:
+                fd = _try_lock(os.path.join(self.path, f"rank{rank}.lock"))
+                if fd is None:
+                    continue  # a live run's files
+            try:
+                for name in names:
+                    stale = os.path.join(self.path, name)
+                    logger.warning("removing stale swap file %s left by a run that did not exit cleanly", stale)
+                    try:
+                        os.unlink(stale)
+                    except FileNotFoundError:
+                        pass
+                if fd is not None:  # the dead rank's lock file too (its next run re-creates it)
+                    os.unlink(os.path.join(self.path, f"rank{rank}.lock"))
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
     def create(self, tier: str, sizes: Sequence[int]) -> "SwapFile":
         """Create and preallocate the tier's swap file with one slot per size."""

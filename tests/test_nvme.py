@@ -16,6 +16,7 @@ import functools
 import gc
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -423,6 +424,74 @@ def test_swap_files_deleted_or_replaced_mid_step_lose_nothing(tmp_path, baseline
     assert len(warned) == 2 and all(any(n in w for w in warned) for n in names), warned
     for n in names:  # the foreign files are not offload's to delete
         assert (swap / n).read_bytes() == b"not offload's"
+
+
+_CRASH_SCRIPT = """
+import os, signal, sys
+from offload.swap import SwapDirectory
+from tests.conftest import TinyGPT
+from tests.test_nvme import tier_config
+import offload
+if sys.argv[2] == "engine":
+    engine = offload.initialize(TinyGPT(d_model=64), tier_config(sys.argv[1]))
+else:  # ranks of a larger run: their locks and swap files, as their engines would leave them
+    dirs = [SwapDirectory(sys.argv[1], int(r)) for r in sys.argv[2].split(",")]
+    for d in dirs:
+        d.create("optim", [1 << 16])
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _crash(path: str, who: str) -> None:
+    """A real process that sets up its swap files under `path` and dies by SIGKILL."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, path, who], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": root}, cwd=root, timeout=120)
+    assert proc.returncode == -9 and "ready" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_restart_after_kill_9_on_a_disk_the_stale_files_fill(tmp_path):
+    """A run killed by SIGKILL leaves its swap files (more than half the disk here): the
+    next run on the same nvme_path must count them as space it is about to free, delete
+    them, and start (not fail its free-space check with ENOSPC)."""
+    probe = offload.initialize(TinyGPT(d_model=64), tier_config(tmp_path))
+    need = probe.memory_bytes()["nvme"]
+    probe.close()
+    size_kib = (need * 3 // 2) // 1024 + 64  # room for one run's files, not for two
+    with mounted_tmpfs(f"{size_kib}k") as disk:
+        _crash(disk, "engine")
+        stale = os.listdir(os.path.join(disk, "offload-swap"))
+        assert "rank0.optim.swap" in stale and "rank0.param.swap" in stale
+        assert shutil.disk_usage(disk).free < need  # the stale files leave too little
+        engine = offload.initialize(TinyGPT(d_model=64), tier_config(disk))
+        x, y = gpt_batches(1)[0]
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.close()
+        assert swap_dir_is_gone(disk)
+
+
+def test_a_smaller_restart_removes_the_stale_files_of_every_dead_rank(tmp_path):
+    """World size 2 crashed, world size 1 restarts: rank 1's files go too (its lock is
+    free); the files of a rank whose run is alive stay."""
+    from offload.swap import SwapDirectory
+
+    live = SwapDirectory(str(tmp_path), 3)  # a live run's rank 3 (this process holds its lock)
+    live.create("optim", [4096])
+    _crash(str(tmp_path), "1,2")
+    swap = tmp_path / "offload-swap"
+    assert {"rank1.optim.swap", "rank2.optim.swap", "rank3.optim.swap"} <= set(os.listdir(swap))
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path))
+    left = set(os.listdir(swap))
+    assert "rank1.optim.swap" not in left and "rank2.optim.swap" not in left, left
+    assert "rank1.lock" not in left and "rank3.optim.swap" in left and "rank3.lock" in left, left
+    engine.close()
+    live.close()
+    assert swap_dir_is_gone(tmp_path)
 
 
 # -- layout -----------------------------------------------------------------------------------

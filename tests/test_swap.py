@@ -63,7 +63,7 @@ def test_read_only_nvme_path_is_a_clear_error():
 
 def test_disk_too_small_names_the_numbers_before_writing_anything():
     with mounted_tmpfs("1m") as small:
-        with pytest.raises(OSError, match=r"needs 0\.01 GiB \(8388608 bytes\).*has 0\.00 GiB free") as e:
+        with pytest.raises(OSError, match=r"needs 8\.00 MiB \(8388608 bytes\).*has 1\.00 MiB free") as e:
             check_free_space(small, 8 << 20, "the optimizer swap file")
         assert e.value.errno == errno.ENOSPC
         with SwapDirectory(small, rank=0) as d:
@@ -143,3 +143,15 @@ def test_a_live_run_holding_the_directory_is_an_error(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_local_world_size_counts_the_ranks_that_share_this_node(monkeypatch):
+    """The NVMe free-space check counts the ranks of this node (torchrun's
+    LOCAL_WORLD_SIZE), not every rank of a multi-node job."""
+    from offload.distributed import ProcessGroupInfo
+
+    pg = ProcessGroupInfo(rank=9, world_size=16, group=None, backend="gloo", started_here=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pg.local_world_size == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert pg.local_world_size == 16  # a launcher that does not say: one node
