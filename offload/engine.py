@@ -571,6 +571,7 @@ class Engine:
             self._hooks.append(
                 module.register_forward_hook(_bind(self._post_forward, unit), always_call=False)
             )
+        weakref.finalize(self, _remove_hooks, self._hooks)  # [Note: weak hooks]
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if unit.index == ROOT and not self._in_backward:
@@ -1234,9 +1235,7 @@ class Engine:
         """Remove the hooks; wait for NVMe writes, stop the I/O workers and delete this
         rank's swap files; destroy the process group if this engine started it.
         Idempotent; also what `with initialize(...) as engine:` does on exit."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        _remove_hooks(self._hooks)
         prefetcher = getattr(self, "prefetcher", None)  # absent when __init__ failed early
         if prefetcher is not None:
             prefetcher.drop()
@@ -1284,15 +1283,35 @@ def _module_by_name(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name)
 
 
+# [Note: weak hooks] Hooks live on the user's model, which usually outlives the engine
+# (a notebook re-runs `engine = offload.initialize(model, ...)`, a script drops the engine
+# without close()). A hook holding the engine's bound method would keep the engine, its
+# swap files and its lock alive for as long as the model lives. So hooks hold the engine
+# weakly, and a finalizer removes them when the engine is collected.
+
+
 def _bind(fn: Callable[..., Any], unit: FlatUnit) -> Callable[..., Any]:
+    method = weakref.WeakMethod(fn)
+
     def hook(*args: Any) -> Any:
-        return fn(unit, *args)
+        bound = method()
+        return None if bound is None else bound(unit, *args)
 
     return hook
 
 
 def _bind0(fn: Callable[[FlatUnit], None], unit: FlatUnit) -> Callable[[], None]:
+    method = weakref.WeakMethod(fn)
+
     def callback() -> None:
-        fn(unit)
+        bound = method()
+        if bound is not None:
+            bound(unit)
 
     return callback
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

@@ -229,6 +229,13 @@ class SwapDirectory:
                     continue
                 owner = _read_quietly(fd)
                 os.close(fd)
+                if owner.startswith(f"pid={os.getpid()} "):
+                    raise RuntimeError(
+                        f"swap directory {self.path} (rank {self.rank}) is in use by an engine "
+                        "of this process that is still alive: close() it first (or use `with "
+                        "offload.initialize(...) as engine:`), or drop every reference to it; "
+                        "or give this engine its own nvme_path"
+                    ) from None
                 raise RuntimeError(
                     f"swap directory {self.path} (rank {self.rank}) is in use by another live "
                     f"run ({owner or 'owner unknown'}); give each run its own nvme_path"
