@@ -28,6 +28,7 @@ What happens underneath (see docs/engine.md for the full story):
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import weakref
@@ -169,6 +170,9 @@ class Engine:
         self.last_grad_norm: Optional[float] = None
         self._in_backward = False
         self._hooks: list[Any] = []
+        self.state = EngineState.READY
+        self._failure: Optional[BaseException] = None
+        """What put the engine in EngineState.FAILED (the step's own error)."""
 
         plans = plan_units(model, config.unit_modules)
         groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
@@ -575,6 +579,7 @@ class Engine:
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if unit.index == ROOT and not self._in_backward:
+            self._check_ready("the model's forward")
             args, kwargs = self._cast_inputs(args, kwargs)
             self._begin_iteration()
         self._use(unit, "r" if self._in_backward else "f")
@@ -905,16 +910,6 @@ class Engine:
             except Exception:  # noqa: BLE001 - the backward's own error is what is raised
                 pass
         self._reduces = []
-        if self._in_backward and self._pass_updates:
-            import warnings
-
-            # They stay marked: engine.step() updates only the others.
-            warnings.warn(
-                f"backward failed after {self._pass_updates} unit(s) were already updated by the "
-                "optimizer during it (prefetch.optimizer_in_backward): this step is partially "
-                "applied; restore from a checkpoint for exact training",
-                RuntimeWarning, stacklevel=3,
-            )
         self._opt_in_backward = False
         for unit in self.units:
             for p in unit.params:
@@ -947,15 +942,20 @@ class Engine:
         gradient_accumulation_steps there (DeepSpeed's default), so pass the plain loss."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
+        self._check_ready("engine.backward")
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale
         try:
             loss.backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as exc:
             # A backward that died half-way must not leave units looking "in backward" (the
             # next forward would keep them gathered): drop its partial state, keep the
-            # gradients of earlier micro-batches.
+            # gradients of earlier micro-batches. If it had already updated units
+            # (optimizer in backward), the step is part-applied: the engine fails.
+            partial = self._in_backward and self._pass_updates > 0
             self._abort_backward()
+            if partial:
+                self._fail(exc)
             raise
         self._finish_backward()
 
@@ -963,13 +963,59 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def step(self) -> None:
-        """Advance one micro-batch; at an accumulation boundary apply the optimizer step."""
+        """Advance one micro-batch; at an accumulation boundary apply the optimizer step.
+        If the optimizer step fails (an I/O error, say), its error is raised here and the
+        engine enters EngineState.FAILED: load a checkpoint to go on."""
+        self._check_ready("engine.step")
         self._finish_backward()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        self._optimizer_step()
+        try:
+            self._optimizer_step()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        """Enter EngineState.FAILED after `exc` interrupted an update part-way."""
+        self.state = EngineState.FAILED
+        self._failure = exc
+        self._updated = set()
+        self._opt_in_backward = False
+        self.prefetcher.drop()
+
+    def _check_ready(self, what: str) -> None:
+        if self.state is EngineState.READY:
+            # A write that failed after its step returned (it surfaced in a later forward's
+            # read, say) lost a shard just the same.
+            lost = self.param_tier.write_failure() or self.optimizer_states.write_failure()
+            if lost is not None:
+                self._fail(lost)
+        if self.state is EngineState.FAILED:
+            exc = self._failure
+            raise RuntimeError(
+                f"{what}: an earlier optimizer step failed part-way ({type(exc).__name__}: {exc}), "
+                "so the parameters and optimizer state are inconsistent (some units were "
+                "updated, others not). Fix the cause, then engine.load_checkpoint(...) restores "
+                "a consistent state and training goes on; or engine.close()"
+            ) from exc
+
+    def _recover(self) -> None:
+        """Before a load restores the state of a failed engine: let every write still in
+        flight finish and drop the failures it already reported."""
+        for owner in (self.param_tier, self.optimizer_states):
+            owner.settle()
+        if self.nvme is not None:
+            try:
+                self.nvme.staging.drain()
+            except OSError:
+                pass  # already raised by the step that failed
+        for unit in self.units:
+            unit.free()
+        self._tracks = [_Track() for _ in self.units]
+        self._in_backward = False
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
@@ -1161,6 +1207,7 @@ class Engine:
         `load_checkpoint`. Returns the checkpoint's path."""
         from offload.checkpoint import save_checkpoint
 
+        self._check_ready("engine.save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(
@@ -1178,7 +1225,15 @@ class Engine:
         every chunk's checksum is verified during the load. See docs/checkpoint.md."""
         from offload.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, copy_to_swap=copy_to_swap)
+        if self.state is EngineState.FAILED or (
+            self.param_tier.write_failure() or self.optimizer_states.write_failure()
+        ) is not None:
+            self._recover()
+        out = load_checkpoint(self, load_dir, tag, copy_to_swap=copy_to_swap)
+        # Every unit's parameters and state now come from the checkpoint: consistent again.
+        self.state, self._failure = EngineState.READY, None
+        self._updated = set()
+        return out
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -1288,6 +1343,17 @@ def _module_by_name(model: nn.Module, name: str) -> nn.Module:
 # without close()). A hook holding the engine's bound method would keep the engine, its
 # swap files and its lock alive for as long as the model lives. So hooks hold the engine
 # weakly, and a finalizer removes them when the engine is collected.
+
+
+class EngineState(enum.Enum):
+    """Whether the engine's parameters, gradients and optimizer state are consistent."""
+
+    READY = "ready"
+    """Consistent: train, save, load, close."""
+    FAILED = "failed"
+    """An optimizer step (or a backward that ran updates) failed part-way: some units were
+    updated and others not. Only `load_checkpoint` (which restores a consistent state) and
+    `close` are allowed; the error that caused it belongs to the step that raised it."""
 
 
 def _bind(fn: Callable[..., Any], unit: FlatUnit) -> Callable[..., Any]:

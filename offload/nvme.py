@@ -59,7 +59,9 @@ class Pending:
     `wait()` waits for all of them; the first time, it then runs `then` (on success only:
     e.g. copy a staged read into its destination) and `release` (always: the buffer goes
     back to the pool only once no request uses it). A failure is raised from this and every
-    later `wait()`. Single-threaded: called from the engine's thread.
+    later `wait()`; holders of a write's handle drop it before waiting, so the failure is
+    raised once, to the step that waited for it (a slot whose write failed is marked
+    unreadable by `on_error`). Single-threaded: called from the engine's thread.
     """
 
     __slots__ = ("_parts", "_then", "_release", "_on_error", "_done", "_error", "_stats")
@@ -70,7 +72,7 @@ class Pending:
         *,
         then: Optional[Callable[[], None]] = None,
         release: Optional[Callable[[], None]] = None,
-        on_error: Optional[Callable[[], None]] = None,
+        on_error: Optional[Callable[[BaseException], None]] = None,
         stats: Optional["IOStats"] = None,
     ) -> None:
         self._parts = [p for p in parts if p is not None]
@@ -101,7 +103,7 @@ class Pending:
                 if self._error is None and self._then is not None:
                     self._then()
                 elif self._error is not None and self._on_error is not None:
-                    self._on_error()
+                    self._on_error(self._error)
             finally:
                 if self._release is not None:
                     self._release()

@@ -189,6 +189,13 @@ class HostOptimizerStates:
     def cancel_prefetch(self) -> None:
         pass
 
+    def settle(self) -> None:
+        """After a failed step: nothing in flight (the state is in memory)."""
+
+    def write_failure(self) -> Optional[BaseException]:
+        """None: state in memory is never lost to a failed write."""
+        return None
+
     def bytes_on_disk(self) -> int:
         return 0
 
@@ -398,6 +405,23 @@ class NVMeOptimizerStates:
                 staging.release(buf)
                 raise
 
+    def write_failure(self) -> Optional[BaseException]:
+        """The error of a write that failed and lost a unit's state, or None."""
+        for i, h in enumerate(self._last_write):  # finished writes mark their slots
+            if h is not None and h.done():
+                self._last_write[i] = None
+                wait_quietly([h])
+        return self._swap.write_failure()
+
+    def settle(self) -> None:
+        """After a failed step: drop the reads ahead, wait for every write in flight and drop
+        their failures (slots whose write failed stay unreadable until rewritten)."""
+        self.cancel_prefetch()
+        for i, h in enumerate(self._last_write):
+            if h is not None:
+                self._last_write[i] = None
+                wait_quietly([h])
+
     def cancel_prefetch(self, index: Optional[int] = None) -> None:
         """Drop reads submitted ahead (all, or unit `index`'s): the step was skipped, or the
         unit is about to be rewritten."""
@@ -470,8 +494,8 @@ class NVMeOptimizerStates:
     def _wait_write(self, index: int) -> None:
         h = self._last_write[index]
         if h is not None:
+            self._last_write[index] = None  # a failed write is raised once (the slot is unreadable)
             h.wait()
-            self._last_write[index] = None
 
     def _read(self, index: int, buf: torch.Tensor) -> Pending:
         self._wait_write(index)  # [Note: slot ordering]
@@ -515,7 +539,7 @@ class NVMeOptimizerStates:
         ctx.stats.bytes_written += slot.nbytes
         self._drop_source(index)  # the slot holds the unit's state from now on
         written = Pending(
-            [req], on_error=lambda: self._swap.mark_written(index, False), stats=ctx.stats
+            [req], on_error=lambda exc: self._swap.mark_failed(index, exc), stats=ctx.stats
         )
         self._swap.mark_written(index)
         self._last_write[index] = written

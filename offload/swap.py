@@ -359,6 +359,8 @@ class SwapFile:
         self._io_path = f"{self._PROC_FD}/{fd}" if os.path.isdir(self._PROC_FD) else path
         self._vanished_warned = False
         self._written = [False] * len(slots)
+        self._failed: dict[int, BaseException] = {}
+        """Slots whose last write failed, with the error (for the message of a later read)."""
 
     # -- I/O through the held descriptor -------------------------------------------------
 
@@ -393,16 +395,34 @@ class SwapFile:
     # -- which slots hold data -----------------------------------------------------------
 
     def mark_written(self, index: int, written: bool = True) -> None:
-        """Record that slot `index` holds data of this run (False after a failed write: its
-        bytes are then undefined and must not be read)."""
+        """Record that slot `index` holds data of this run (False: it no longer does, e.g.
+        its shard was freed)."""
         self._written[index] = bool(written)
+        self._failed.pop(index, None)
+
+    def mark_failed(self, index: int, error: BaseException) -> None:
+        """Record that the last write of slot `index` failed: its bytes are undefined until
+        it is written again."""
+        self._written[index] = False
+        self._failed[index] = error
 
     def is_written(self, index: int) -> bool:
         return self._written[index]
 
+    def write_failure(self) -> Optional[BaseException]:
+        """The error of a slot whose last write failed (its data is lost), or None."""
+        return next(iter(self._failed.values()), None)
+
     def check_readable(self, index: int) -> Slot:
-        """The slot to read; raises if nothing was written there in this run."""
+        """The slot to read; raises if nothing valid was written there in this run."""
         if not self._written[index]:
+            failed = self._failed.get(index)
+            if failed is not None:
+                raise RuntimeError(
+                    f"slot {index} of {self.path} holds no valid data: its last write failed "
+                    f"({type(failed).__name__}: {failed}); restore the state with "
+                    "engine.load_checkpoint"
+                )
             raise RuntimeError(
                 f"slot {index} of {self.path} was never written in this run; refusing to read "
                 f"stale or uninitialised bytes"

@@ -90,6 +90,16 @@ class Tier(abc.ABC):
     def free(self, key: Hashable) -> None:
         del self._shards[key]
 
+    def settle(self) -> None:
+        """After a failed step: wait for every write in flight, dropping their failures
+        (slots whose write failed stay unreadable until rewritten). In-memory tiers copy
+        synchronously: nothing is in flight."""
+
+    def write_failure(self) -> Optional[BaseException]:
+        """The error of a write that failed and lost a shard, or None (in-memory tiers
+        cannot lose one)."""
+        return None
+
     def bytes_allocated(self) -> int:
         # Adopted tensors count too: they are this tier's bytes, whoever allocated them.
         seen: set[int] = set()
@@ -271,7 +281,7 @@ class NVMeTier(Tier):
         self._wait_write(i)  # two writes of one range in flight would be unordered
         slot = self._swap.slots[i]
         ctx = self._ctx
-        on_error = lambda: self._swap.mark_written(i, False)  # noqa: E731
+        on_error = lambda exc: self._swap.mark_failed(i, exc)  # noqa: E731
         if _direct_ok(src):
             req = self._swap.write(ctx.aio, src, slot.offset)
             handle = Pending([req], on_error=on_error, stats=ctx.stats)
@@ -317,6 +327,16 @@ class NVMeTier(Tier):
         self._wait_write(i)
         self._swap.mark_written(i, False)
 
+    def write_failure(self) -> Optional[BaseException]:
+        _reap_failed(self._last_write)
+        return self._swap.write_failure()
+
+    def settle(self) -> None:
+        for i, h in enumerate(self._last_write):
+            if h is not None:
+                self._last_write[i] = None
+                wait_quietly([h])
+
     def flush(self) -> None:
         """Wait for every write of this tier (raises the first failure)."""
         for i in range(len(self._last_write)):
@@ -338,8 +358,8 @@ class NVMeTier(Tier):
     def _wait_write(self, i: int) -> None:
         h = self._last_write[i]
         if h is not None:
-            h.wait()  # raises again if that write failed; the slot is then unreadable
-            self._last_write[i] = None
+            self._last_write[i] = None  # a failed write is raised once (the slot is unreadable)
+            h.wait()
 
     def _check_buffer(self, key: Hashable, i: int, buf: torch.Tensor) -> None:
         numel, dtype = self._spec[i]
@@ -350,6 +370,15 @@ class NVMeTier(Tier):
             )
         if not buf.is_contiguous():
             raise ValueError(f"shard {key!r}: the buffer must be contiguous")
+
+
+def _reap_failed(last_write: list[Optional[Pending]]) -> None:
+    """Wait for the writes that have finished (never blocks), so that a failed one marks
+    its slot; its error is reported by `write_failure`, not raised here."""
+    for i, h in enumerate(last_write):
+        if h is not None and h.done():
+            last_write[i] = None
+            wait_quietly([h])
 
 
 class ReadAhead:

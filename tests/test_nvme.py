@@ -519,6 +519,63 @@ def test_an_engine_dropped_without_close_is_released(tmp_path):
     again.close()
 
 
+def test_an_io_error_fails_its_step_and_a_checkpoint_load_recovers(tmp_path):
+    """A real EFBIG (RLIMIT_FSIZE, as `ulimit -f`) fails the swap writes of one step: the
+    error is raised once, by the step that hit it; afterwards forward, step and save say
+    that state was lost and what to do (not the old I/O error again); load_checkpoint
+    restores a consistent state and training goes on exactly as from that checkpoint."""
+    import resource
+    import signal
+
+    from offload.engine import EngineState
+
+    batches = gpt_batches(10)
+
+    def train(engine, part):
+        for x, y in part:
+            engine.backward(engine(x, y))
+            engine.step()
+
+    os.makedirs(tmp_path / "a")
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path / "a"))
+    train(engine, batches[:4])
+    ckpt = engine.save_checkpoint(str(tmp_path / "ck"))
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    try:
+        with pytest.raises(OSError) as failed:
+            train(engine, batches[4:6])  # and the first forward after it, where a write surfaces
+            train(engine, batches[6:7])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert failed.value.errno == errno.EFBIG and "rank0." in str(failed.value)
+    x, y = batches[6]
+    for what, call in (("the model's forward", lambda: engine(x, y)), ("engine.step", engine.step),
+                       ("engine.save_checkpoint", lambda: engine.save_checkpoint(str(tmp_path / "ck2")))):
+        with pytest.raises(RuntimeError, match=f"{re.escape(what)}: an earlier optimizer step failed part-way "
+                           r"\(OSError: \[Errno 27\].*load_checkpoint"):
+            call()
+    assert engine.state is EngineState.FAILED
+    path, _ = engine.load_checkpoint(str(tmp_path / "ck"))
+    assert path == ckpt and engine.state is EngineState.READY
+    train(engine, batches[4:])
+    got = engine.full_state_dict()
+    engine.close()
+
+    os.makedirs(tmp_path / "b")
+    torch.manual_seed(1)
+    fresh = offload.initialize(TinyGPT(), tier_config(tmp_path / "b"))
+    fresh.load_checkpoint(str(tmp_path / "ck"))
+    train(fresh, batches[4:])
+    want = fresh.full_state_dict()
+    fresh.close()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 # -- layout -----------------------------------------------------------------------------------
 
 
