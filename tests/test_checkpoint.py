@@ -596,6 +596,34 @@ def test_consolidate_cli_shards_with_an_index(saved, tmp_path):
     assert bad.returncode == 1 and "does not exist" in bad.stderr
 
 
+def test_a_failed_consolidation_leaves_no_file_and_keeps_the_old_one(saved, tmp_path):
+    """A shard file corrupted in the middle fails consolidation part-way through writing:
+    no half-written (zero-filled) model file may appear, and a good one already in the
+    output directory stays as it was; single file and sharded alike."""
+    ckdir, path, _ = saved
+    good = {}
+    for name, size in (("single", "10GB"), ("sharded", "20KB")):
+        out = consolidate(str(ckdir), str(tmp_path / name), max_shard_size=size)
+        good[name] = {p: open(p, "rb").read() for p in out}
+    from offload.checkpoint import manifest
+
+    # a byte of the last unit's master (what consolidation reads), so the error comes
+    # after the earlier units' weights were written
+    rank0 = manifest.read(path)["ranks"][0]["shards"]
+    last = max((r for r in rank0["tensors"] if r["name"] == "master"), key=lambda r: r["offset"])
+    _flip_byte(os.path.join(path, rank0["file"]), last["offset"] + 8)
+    for name, size in (("single", "10GB"), ("sharded", "20KB")):
+        with pytest.raises(CheckpointCorruptError, match=r"rank00000\.shards"):
+            consolidate(str(ckdir), str(tmp_path / name), max_shard_size=size)
+        left = sorted(os.listdir(tmp_path / name))
+        assert left == sorted(os.path.basename(p) for p in good[name]), left  # no temporaries
+        for p, data in good[name].items():
+            assert open(p, "rb").read() == data, p
+    with pytest.raises(CheckpointCorruptError):
+        consolidate(str(ckdir), str(tmp_path / "fresh"))
+    assert os.listdir(tmp_path / "fresh") == []  # nothing that looks like a model
+
+
 def test_consolidated_world_size_2_checkpoint_equals_full_state_dict(ws2_checkpoint, tmp_path):
     from safetensors.torch import load_file
 

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import struct
+import uuid
 from typing import Any, Optional, Union
 
 import torch
@@ -122,6 +123,12 @@ def consolidate(
     where: dict[str, tuple[int, int]] = {}  # key -> (fd index, absolute byte offset)
     fds: list[int] = []
     written = []
+    # Every file is written under a temporary name and renamed into place only once all of
+    # them are complete and on disk: a consolidation that fails (a torn checkpoint, a full
+    # disk) leaves no half-written file that loads as zeros, and never touches the files a
+    # previous run left in out_dir.
+    temps: list[str] = []
+    tmp_tag = uuid.uuid4().hex[:12]
     try:
         for fi, (name, items) in enumerate(zip(names, shards)):
             header: dict[str, Any] = {"__metadata__": {"format": "pt", "offload.tied": json.dumps(tied_groups)}}
@@ -132,7 +139,9 @@ def consolidate(
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
             fpath = os.path.join(out_dir, name)
-            fd = os.open(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            tmp = os.path.join(out_dir, f".{name}.{tmp_tag}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            temps.append(tmp)
             fds.append(fd)
             written.append(fpath)
             _pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
@@ -158,19 +167,32 @@ def consolidate(
         )
         for fd in fds:
             os.fsync(fd)
+    except BaseException:
+        for tmp in temps:
+            _unlink_quietly(tmp)
+        raise
     finally:
         for fd in fds:
             os.close(fd)
+    for tmp, fpath in zip(temps, written):
+        os.replace(tmp, fpath)
     if n > 1:
         index = {
             "metadata": {"total_size": sum(item[3] for item in plan)},
             "weight_map": {key: names[where[key][0]] for key, *_ in plan},
         }
         ipath = os.path.join(out_dir, INDEX_FILE)
-        with open(ipath, "w") as f:
-            json.dump(index, f, indent=2)
+        files.replace_file_durably(ipath, json.dumps(index, indent=2).encode())
         written.append(ipath)
+    files.fsync_path(out_dir)
     return written
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pwrite_tensor(fd: int, t: torch.Tensor, offset: int) -> None:
