@@ -21,9 +21,12 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -204,6 +207,8 @@ class SwapDirectory:
         )
         self.files: dict[str, "SwapFile"] = {}
         self.closed = False
+        _OPEN_DIRS.add(self)
+        _install_signal_cleanup()  # [Note: cleanup on signals]
 
     def _lock(self) -> int:
         """Open and lock this rank's lock file; its descriptor.
@@ -285,23 +290,53 @@ class SwapDirectory:
         self.files[tier] = swap
         return swap
 
-    def close(self) -> None:
-        """Delete this rank's swap files and release the lock (idempotent)."""
+    def discard(self) -> None:
+        """Delete this rank's swap files and lock now, without waiting for anything (the
+        process is about to die of a signal: [Note: cleanup on signals])."""
         if self.closed:
             return
+        for swap in list(self.files.values()):
+            try:
+                swap.delete()
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        """Delete this rank's swap files and release the lock (idempotent). The lock is
+        released even when a file cannot be deleted (that is raised afterwards, naming it):
+        a later run in this process or another must not find the directory still held."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN_DIRS.discard(self)
+        failed: list[tuple[str, OSError]] = []
         for swap in self.files.values():
-            swap.delete()
+            try:
+                swap.delete()
+            except OSError as exc:
+                failed.append((swap.path, exc))
         self.files.clear()
         try:
             os.unlink(self._lock_path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            failed.append((self._lock_path, exc))
         os.close(self._lock_fd)  # closing the fd drops the flock
-        self.closed = True
         try:
             os.rmdir(self.path)  # only if no other rank's files remain
         except OSError:
             pass
+        if failed:
+            path, exc = failed[0]
+            raise OSError(
+                exc.errno,
+                f"could not delete {', '.join(p for p, _ in failed)} ({exc.strerror}); the lock "
+                "is released and the next run on this nvme_path deletes them, or delete them "
+                "by hand",
+                path,
+            )
 
     def __enter__(self) -> "SwapDirectory":
         return self
@@ -312,6 +347,39 @@ class SwapDirectory:
     def __del__(self) -> None:
         if not getattr(self, "closed", True):
             self.close()
+
+
+# [Note: cleanup on signals] SIGTERM (what torchrun sends the surviving ranks when one
+# fails, and what schedulers send at a time limit) and SIGHUP (a closed terminal) kill a
+# process without running `close()`, finalizers or atexit hooks: its swap files (often the
+# size of the model's training state) and its lock would stay on the disk. While a swap
+# directory is open we install a handler for each signal whose disposition is the default
+# (termination): it deletes the open directories' files and locks, then restores the
+# default and re-sends the signal, so the process still dies of it (its exit status and a
+# launcher's view are unchanged). A handler the user installed, or SIG_IGN, is left alone:
+# then cleaning up is theirs (call engine.close()). SIGKILL cannot be caught; the next run
+# deletes what it left ([Note: stale swap files]).
+_OPEN_DIRS: "weakref.WeakSet[SwapDirectory]" = weakref.WeakSet()
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_installed: dict[int, object] = {}
+
+
+def _cleanup_and_die(signum: int, frame: object) -> None:
+    for d in list(_OPEN_DIRS):
+        d.discard()
+    for sig, previous in _installed.items():
+        signal.signal(sig, previous)  # type: ignore[arg-type]
+    _installed.clear()
+    os.kill(os.getpid(), signum)
+
+
+def _install_signal_cleanup() -> None:
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return  # installed already; or not allowed outside the main thread
+    for sig in _CLEANUP_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _cleanup_and_die)
+            _installed[sig] = signal.SIG_DFL
 
 
 def _read_quietly(fd: int) -> str:
@@ -432,14 +500,16 @@ class SwapFile:
     def delete(self) -> None:
         """Unlink the path (if it still names this file) and close the descriptor (which
         frees the space of a file another program deleted)."""
-        if self.present():
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        try:
+            if self.present():
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def swap_bytes_needed(size_lists: Iterable[Sequence[int]]) -> int:

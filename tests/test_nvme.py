@@ -576,6 +576,77 @@ def test_an_io_error_fails_its_step_and_a_checkpoint_load_recovers(tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
+_SIGNAL_SCRIPT = """
+import signal, sys, time
+import offload
+from tests.conftest import TinyGPT, gpt_batches
+from tests.test_nvme import tier_config
+if sys.argv[2] == "own-handler":
+    signal.signal(signal.SIGTERM, lambda *a: (print("own handler", flush=True), sys.exit(0)))
+engine = offload.initialize(TinyGPT(), tier_config(sys.argv[1]))
+x, y = gpt_batches(1)[0]
+engine.backward(engine(x, y))
+engine.step()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig,handler", [("SIGTERM", "default"), ("SIGHUP", "default"), ("SIGTERM", "own-handler")])
+def test_a_signal_that_ends_the_run_leaves_no_swap_file_or_lock(tmp_path, sig, handler):
+    """torchrun sends SIGTERM to the surviving ranks when one fails; a closed terminal sends
+    SIGHUP. The process still dies of the signal (same exit status), and its swap files and
+    lock are gone. A SIGTERM handler of the user's own is kept, not replaced."""
+    import signal as signal_mod
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(tmp_path), handler],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        assert os.path.exists(tmp_path / "offload-swap" / "rank0.optim.swap")
+        proc.send_signal(getattr(signal_mod, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # ours, started above
+    if handler == "default":
+        assert proc.returncode == -getattr(signal_mod, sig), err[-3000:]
+    else:
+        assert proc.returncode == 0 and "own handler" in out, err[-3000:]
+    assert swap_dir_is_gone(tmp_path), os.listdir(tmp_path / "offload-swap")
+
+
+def test_a_close_that_cannot_delete_its_files_says_so_and_releases_the_lock(tmp_path):
+    """chattr +i on the swap directory (a real EPERM on unlink): close() names the files it
+    could not delete, yet releases the lock; the next run deletes the leftovers."""
+    import fcntl
+    import subprocess
+
+    engine = offload.initialize(TinyGPT(), tier_config(tmp_path))
+    swap = tmp_path / "offload-swap"
+    r = subprocess.run(["chattr", "+i", str(swap)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"chattr +i is not possible here ({r.stderr.strip()}): needs root on ext4/xfs")
+    try:
+        with pytest.raises(OSError, match=r"could not delete .*rank0\.param\.swap.*the lock is released"):
+            engine.close()
+        fd = os.open(swap / "rank0.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises if still held
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["chattr", "-i", str(swap)], check=True)
+    engine.close()  # idempotent
+    again = offload.initialize(TinyGPT(), tier_config(tmp_path))
+    again.close()
+    assert swap_dir_is_gone(tmp_path)
+
+
 # -- layout -----------------------------------------------------------------------------------
 
 
