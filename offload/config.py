@@ -556,6 +556,16 @@ class Config(_Section):
     """auto = cuda when available, else cpu."""
     cpu_adam_threads: int = 0
     """Threads for the CPU Adam; 0 = the cores this process may use."""
+    nonfinite_loss: Literal["skip", "raise", "off"] = "skip"
+    """bf16/fp32: what a NaN/inf loss on any rank does. 'skip': that micro-batch runs no
+    backward and its optimizer step is skipped (as fp16's loss scaler skips an overflow),
+    logged and counted in `engine.skipped_steps`; 'raise': `engine.backward` raises before
+    anything is applied; 'off': no check (NaN then reaches every weight). The check is one
+    scalar per micro-batch (and a one-element all-reduce at world size > 1). fp16 leaves
+    it to the loss scaler."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before the process group gives up
+    (torch.distributed's timeout), when the engine starts the group itself."""
     ignored_keys: tuple[str, ...] = field(default=(), compare=False)
     """Provenance, not a setting: DeepSpeed keys (dotted paths) that were accepted but are
     not honoured; filled by `translate_deepspeed`, empty otherwise."""
@@ -578,6 +588,8 @@ class Config(_Section):
                      "list module class names such as 'GPTBlock'")
         _require(self.cpu_adam_threads >= 0, "cpu_adam_threads", self.cpu_adam_threads,
                  "it must be >= 0 (0 = the cores this process may use)", "use 0 or a thread count")
+        _require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
+                 "a timeout must be > 0 seconds", "use e.g. 1800 (torch.distributed's default)")
 
     # -- ways in ---------------------------------------------------------------------
 
@@ -704,7 +716,8 @@ def _read_file(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
 
 
 _OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "prefetch", "timeline", "unit_modules",
-                                    "compute_device", "cpu_adam_threads"})
+                                    "compute_device", "cpu_adam_threads", "nonfinite_loss",
+                                    "collective_timeout_s"})
 """Top-level keys of offload's format that DeepSpeed does not have."""
 
 

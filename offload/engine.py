@@ -29,6 +29,7 @@ What happens underneath (see docs/engine.md for the full story):
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import os
 import weakref
@@ -53,6 +54,8 @@ from offload.step import (
 from offload.tiers import ReadAhead, make_param_tier, wait
 from offload.timeline import Timeline, now
 from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "initialize"]
 
@@ -151,7 +154,7 @@ class Engine:
         self.dtype = _DTYPES[config.precision.dtype]
         # The group first: starting it from torchrun's env selects this rank's GPU
         # (LOCAL_RANK), which the compute device must then be.
-        self.pg = _dist.setup_process_group(device_type)
+        self.pg = _dist.setup_process_group(device_type, float(config.collective_timeout_s))
         self.device = _resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
         self.placement_plan = None
@@ -173,6 +176,9 @@ class Engine:
         self.state = EngineState.READY
         self._failure: Optional[BaseException] = None
         """What put the engine in EngineState.FAILED (the step's own error)."""
+        self._nonfinite_loss: Optional[float] = None
+        """A non-finite loss seen in this accumulation step (config.nonfinite_loss='skip'):
+        the step is skipped at its boundary."""
 
         plans = plan_units(model, config.unit_modules)
         groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
@@ -828,6 +834,7 @@ class Engine:
             )
         self._opt_in_backward = (
             self.config.prefetch.optimizer_in_backward
+            and self._nonfinite_loss is None  # this step will be skipped
             and float(self.config.gradient_clipping) <= 0.0
             and self.dtype != torch.float16
             and self.scaler.scale == 1.0
@@ -943,6 +950,8 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self._check_ready("engine.backward")
+        if self._loss_is_nonfinite(loss):
+            return
         if self.scaler.scale != 1.0:
             loss = loss.float() * self.scaler.scale
         try:
@@ -959,6 +968,29 @@ class Engine:
             raise
         self._finish_backward()
 
+    def _loss_is_nonfinite(self, loss: torch.Tensor) -> bool:
+        """config.nonfinite_loss (bf16/fp32): True when any rank's loss is NaN/inf and this
+        micro-batch must run no backward (every rank agrees, so collectives stay matched)."""
+        mode = self.config.nonfinite_loss
+        if mode == "off" or self.dtype == torch.float16:
+            return False
+        value = float(loss.detach().float())
+        flag = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+        if self.world_size > 1:
+            flag = self._all_reduce(flag, "max")
+        if not flag.item():
+            return False
+        where = f"loss {value}" if not math.isfinite(value) else "a non-finite loss on another rank"
+        self._abort_backward()  # the forward's gathered units and pending reduces go
+        if mode == "raise":
+            raise FloatingPointError(
+                f"{where} at optimizer step {self.global_steps + self.skipped_steps}, micro-batch "
+                f"{self.micro_steps}: nothing was applied; skip this batch and go on, lower the "
+                "learning rate, or set nonfinite_loss='skip' to skip such steps"
+            )
+        self._nonfinite_loss = value
+        return True
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
@@ -973,10 +1005,12 @@ class Engine:
         if not boundary:
             return
         try:
-            self._optimizer_step()
+            nonfinite = self._optimizer_step()
         except BaseException as exc:
             self._fail(exc)
             raise
+        if nonfinite is not None:
+            raise nonfinite  # the step was skipped whole: the engine stays consistent
 
     def _fail(self, exc: BaseException) -> None:
         """Enter EngineState.FAILED after `exc` interrupted an update part-way."""
@@ -1018,7 +1052,9 @@ class Engine:
         self._in_backward = False
 
     @torch.no_grad()
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> Optional[FloatingPointError]:
+        """Apply (or skip) the optimizer step; returns the error to raise once the step's
+        bookkeeping is done (nonfinite_loss='raise' and a non-finite gradient norm)."""
         # The CPU Adam rewrites host shards that asynchronous host-to-device copies of this
         # step's gathers read from: those copies must have landed first.
         self._sync_device()
@@ -1040,12 +1076,18 @@ class Engine:
                     flag.fill_(1.0)
                     break
             overflow = bool(self._all_reduce(flag, "max").item())
+        if self._nonfinite_loss is not None:
+            logger.warning(
+                "optimizer step %d skipped: a micro-batch's loss was %s (nonfinite_loss='skip'); "
+                "%d step(s) skipped so far", self.global_steps + self.skipped_steps,
+                self._nonfinite_loss, self.skipped_steps + 1,
+            )
+            overflow = True
+            self._nonfinite_loss = None
         clip = float(self.config.gradient_clipping)
         grad_scale: Optional[float] = unscale
-        if overflow:
-            grad_scale = None
-            self.last_grad_norm = float("inf")
-        elif clip > 0.0:
+        nonfinite: Optional[FloatingPointError] = None
+        if not overflow and clip > 0.0:
             sq = torch.zeros(1, dtype=torch.float64)
             for st in self.states:
                 # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
@@ -1054,8 +1096,23 @@ class Engine:
                     sq += torch.dot(g, g).double()
             total = math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
             self.last_grad_norm = total
+            if not math.isfinite(total) and self.config.nonfinite_loss != "off":
+                # a finite loss with non-finite gradients (bf16/fp32): the same guard
+                if self.config.nonfinite_loss == "raise":
+                    nonfinite = FloatingPointError(
+                        f"the gradient norm of optimizer step {self.global_steps + self.skipped_steps} "
+                        f"is {total}: the step was skipped, nothing was applied; set "
+                        "nonfinite_loss='skip' to skip such steps without raising"
+                    )
+                else:
+                    logger.warning("optimizer step %d skipped: the gradient norm is %s (nonfinite_loss='skip')",
+                                   self.global_steps + self.skipped_steps, total)
+                overflow = True
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
             grad_scale = unscale * min(1.0, clip / (total + 1e-6))
+        if overflow:
+            grad_scale = None
+            self.last_grad_norm = float("inf")
         tl = self.timeline
         io0 = self.nvme.stats.wait_s if self.nvme is not None else 0.0
         t0 = now()
@@ -1077,6 +1134,7 @@ class Engine:
         self.optimizer.zero_grad()
         self._prefetch_next_iteration()
         self.timeline.end_step()
+        return nonfinite
 
     def _check_hyperparameters(self) -> None:
         """Units updated during backward used the hyperparameters of that moment: say so

@@ -282,6 +282,11 @@ def _ws2_all(rank: int, world_size: int) -> dict[str, Any]:
     for name in WRONG_WS2:
         sc = SCENARIOS[name]
         out["wrong " + name] = engine_train(sc["model"], make_config(**sc["cfg"]), 0, world_size)
+    # a non-finite loss on rank 1 only (micro-batch 5, step 2): both ranks skip that step
+    out["nonfinite on rank 1"] = engine_train(
+        "gpt", make_config(dtype="bf16", gas=2, clip=0.05), rank, world_size,
+        overflow_at=(5,) if rank == 1 else (),
+    )
     return out
 
 
@@ -311,6 +316,51 @@ def test_world_size_2_bounds_catch_a_lost_half_batch(name, ws2_results):
     else:
         ratio = lowp_bound("gpt", cfg["dtype"], cfg["gas"], cfg["clip"]).ratio(sd)
         assert ratio > 10, ratio
+
+
+def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(ws2_results):
+    sd, info = ws2_results[0]["nonfinite on rank 1"]
+    assert info["skipped"] == 1 and info["global_steps"] == STEPS // 2 - 1
+    assert ws2_results[1]["nonfinite on rank 1"][1]["skipped"] == 1
+    bound = TrajectoryBound.measure(
+        lambda **o: reference_train("gpt", "bf16", gas=2, clip=0.05, skip=(2,), **o), initial_state("gpt")
+    )
+    bound.check(sd, "ws2 bf16, non-finite loss on rank 1 skipped")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_nonfinite_loss_skips_its_step_and_is_reported(dtype, caplog):
+    """nonfinite_loss='skip' (the default): a NaN/inf loss runs no backward, its step is
+    skipped (counted, logged) and training goes on as if that step were not there."""
+    with caplog.at_level("WARNING", logger="offload"):
+        sd, info = engine_train("gpt", make_config(dtype=dtype, gas=2, clip=0.05), overflow_at=(7,))
+    assert info["skipped"] == 1 and info["global_steps"] == STEPS // 2 - 1
+    assert any("optimizer step 3 skipped" in r.getMessage() and "loss was" in r.getMessage()
+               for r in caplog.records), caplog.text
+    run = lambda **o: reference_train("gpt", dtype, gas=2, clip=0.05, skip=(3,), **o)  # noqa: E731
+    if dtype == "fp32":
+        Fp32Bound.measure(run).check(sd, "fp32, non-finite loss skipped")
+    else:
+        TrajectoryBound.measure(run, initial_state("gpt")).check(sd, "bf16, non-finite loss skipped")
+
+
+def test_nonfinite_loss_raise_and_off():
+    """'raise': backward raises before anything is applied, and the engine goes on; 'off':
+    no check, and the NaN reaches the weights (the behaviour the guard prevents)."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), make_config(nonfinite_loss="raise"))
+    x, y = gpt_batches(1)[0]
+    before = engine.full_state_dict()
+    with pytest.raises(FloatingPointError, match=r"loss nan at optimizer step 0.*nothing was applied"):
+        engine.backward(engine(x, y) * float("nan"))
+    engine.step()  # the micro-batch is counted; its step applies nothing
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.backward(engine(x, y))
+    engine.step()
+    assert all(torch.isfinite(v).all() for v in engine.full_state_dict().values())
+    sd, info = engine_train("gpt", make_config(nonfinite_loss="off"), overflow_at=(3,))
+    assert info["skipped"] == 0 and any(not torch.isfinite(v).all() for v in sd.values())
 
 
 def test_bounds_catch_a_missed_micro_batch():
