@@ -28,6 +28,7 @@ What happens underneath (see docs/engine.md for the full story):
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import math
@@ -173,6 +174,7 @@ class Engine:
         self.last_grad_norm: Optional[float] = None
         self._in_backward = False
         self._hooks: list[Any] = []
+        _LIVE_ENGINES.add(self)
         self.state = EngineState.READY
         self._failure: Optional[BaseException] = None
         """What put the engine in EngineState.FAILED (the step's own error)."""
@@ -1345,13 +1347,16 @@ class Engine:
         return self.nvme.stats.snapshot()
 
     def close(self) -> None:
-        """Remove the hooks; wait for NVMe writes, stop the I/O workers and delete this
-        rank's swap files; destroy the process group if this engine started it.
-        Idempotent; also what `with initialize(...) as engine:` does on exit."""
+        """Remove the hooks; finish every collective in flight; wait for NVMe writes, stop
+        the I/O workers and delete this rank's swap files; destroy the process group if this
+        engine started it. Idempotent; also what `with initialize(...) as engine:` does on
+        exit."""
+        _LIVE_ENGINES.discard(self)
         _remove_hooks(self._hooks)
         prefetcher = getattr(self, "prefetcher", None)  # absent when __init__ failed early
         if prefetcher is not None:
             prefetcher.drop()
+            self._drain_collectives()
         if self._finalizer is not None:
             self._finalizer()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():
@@ -1359,6 +1364,21 @@ class Engine:
             # connections down while it is still tearing down its own.
             dist.barrier()
             dist.destroy_process_group()
+
+    def _drain_collectives(self) -> None:
+        """Wait for every collective this engine issued asynchronously (the gathers issued
+        ahead, e.g. for the next iteration's first units, and gradient reduce-scatters).
+        [Note: no work outlives the engine] gloo runs an asynchronous work on its own
+        threads and frees it there when done; a work still in flight when the process group
+        is destroyed, or when the interpreter exits, is freed by a gloo thread while Python
+        is being torn down: std::terminate ('terminate called without an active exception',
+        SIGABRT) after the run's work was complete. Every rank issued the same collectives,
+        so each of these waits completes."""
+        for _, red, _ in self._reduces:
+            red.wait()
+        self._reduces = []
+        for unit in self.units:
+            unit.free()  # waits for a gather in flight
 
     def __enter__(self) -> "Engine":
         return self
@@ -1401,6 +1421,22 @@ def _module_by_name(model: nn.Module, name: str) -> nn.Module:
 # without close()). A hook holding the engine's bound method would keep the engine, its
 # swap files and its lock alive for as long as the model lives. So hooks hold the engine
 # weakly, and a finalizer removes them when the engine is collected.
+
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+"""Engines not yet closed, for the exit hook below."""
+
+
+@atexit.register
+def _drain_live_engines_at_exit() -> None:
+    """A script that ends without engine.close(): finish each live engine's collectives in
+    flight before the interpreter tears down ([Note: no work outlives the engine])."""
+    for engine in list(_LIVE_ENGINES):
+        try:
+            if getattr(engine, "prefetcher", None) is not None:
+                engine._drain_collectives()
+        except Exception:  # noqa: BLE001 - exiting anyway; a failed wait must not mask the exit
+            pass
 
 
 class EngineState(enum.Enum):

@@ -195,7 +195,8 @@ class SwapDirectory:
     def __init__(self, nvme_path: str, rank: int) -> None:
         check_swap_dir(nvme_path)
         self.rank = rank
-        self.path = os.path.join(nvme_path, SWAP_SUBDIR)
+        # Absolute: a chdir during the run must not send close() to another directory.
+        self.path = os.path.join(os.path.abspath(nvme_path), SWAP_SUBDIR)
         self._lock_path = os.path.join(self.path, f"rank{rank}.lock")
         self._lock_fd = self._lock()
         self._remove_stale_files()

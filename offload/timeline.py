@@ -19,12 +19,17 @@ appends take a lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Span", "StepStats", "Timeline", "now"]
 
@@ -134,6 +139,9 @@ class Timeline:
 
     def __init__(self, enabled: bool = False, path: Optional[str] = None, keep_steps: int = 8) -> None:
         self.enabled = bool(enabled)
+        if path is not None:
+            path = os.path.abspath(path)  # a later chdir must not move it
+            _check_writable(path)
         self.path = path
         self.keep_steps = max(1, int(keep_steps))
         self.steps: list[StepStats] = []
@@ -170,7 +178,14 @@ class Timeline:
             del self.steps[: -self.keep_steps]
         self.current = None
         if self.enabled and self.path:
-            self.write(self.path)
+            try:
+                self.write(self.path)
+            except OSError as exc:
+                # The step's update is applied: a trace that cannot be written must not fail
+                # it (every later step would raise too). Say so once and stop writing.
+                logger.warning("timeline.path %s could not be written (%s); the trace is no "
+                               "longer written, the steps' stats are still kept", self.path, exc)
+                self.path = None
         return cur
 
     @property
@@ -249,6 +264,30 @@ class Timeline:
         """Write `chrome_trace()` to `path` atomically (a reader never sees half a file)."""
         data = json.dumps(self.chrome_trace())
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+def _check_writable(path: str) -> None:
+    """At the door: the trace file's directory exists and takes a new file."""
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            errno.ENOENT, f"timeline.path {path!r}: its directory {directory!r} does not exist; "
+            "create it or point timeline.path elsewhere", path,
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"timeline.path {path!r}: cannot create a file in {directory!r} "
+                        f"({exc.strerror}); point timeline.path at a writable directory", path) from exc
+    os.close(fd)
+    os.unlink(probe)

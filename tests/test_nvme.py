@@ -647,6 +647,43 @@ def test_a_close_that_cannot_delete_its_files_says_so_and_releases_the_lock(tmp_
     assert swap_dir_is_gone(tmp_path)
 
 
+def test_a_relative_nvme_path_survives_a_chdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("swap")
+    engine = offload.initialize(TinyGPT(), tier_config("swap"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
+    assert swap_dir_is_gone(tmp_path / "swap")
+
+
+def test_a_timeline_path_in_a_missing_directory_fails_at_initialize(tmp_path, caplog):
+    from offload.config import TimelineConfig
+
+    bad = tmp_path / "no" / "such" / "trace.json"
+    cfg = make_config(timeline=TimelineConfig(enabled=True, path=str(bad)))
+    with pytest.raises(FileNotFoundError, match=r"timeline.path .*trace\.json.*does not exist; create it"):
+        offload.initialize(TinyGPT(), cfg)
+    # a directory that goes away mid-run: the step stands, the trace stops, one warning
+    (tmp_path / "gone").mkdir()
+    cfg = make_config(timeline=TimelineConfig(enabled=True, path=str(tmp_path / "gone" / "t.json")))
+    engine = offload.initialize(TinyGPT(), cfg)
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    shutil.rmtree(tmp_path / "gone")
+    with caplog.at_level("WARNING", logger="offload"):
+        for _ in range(2):
+            engine.backward(engine(x, y))
+            engine.step()
+    assert engine.global_steps == 3
+    assert sum("could not be written" in r.getMessage() for r in caplog.records) == 1
+
+
 # -- layout -----------------------------------------------------------------------------------
 
 
