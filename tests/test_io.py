@@ -819,3 +819,36 @@ def test_pool_buffers_feed_the_engine(tmp_path, handle):
         buf.zero_()
         handle.pread(buf, tmp_path / "pooled").wait()
         assert torch.equal(buf, expect)
+
+
+_READ_ONLY_SCRIPT = r"""
+import errno, mmap, os, sys, warnings, torch
+from offload.io import AIOHandle
+src, ro = sys.argv[1], sys.argv[2]
+m = mmap.mmap(os.open(ro, os.O_RDONLY), 1 << 16, prot=mmap.PROT_READ)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch warns that the buffer is not writable
+    t = torch.frombuffer(m, dtype=torch.uint8)
+h = AIOHandle()
+for off, n in ((0, 4096), (1, 100), (4096, 8192), (5, 9000)):  # direct, bounced, mixed
+    try:
+        h.pread(t[off:off + n], src, off).wait()
+        print("no error", off, n)
+    except OSError as exc:
+        print("errno", exc.errno, off, n)
+"""
+
+
+def test_a_read_into_read_only_memory_is_efault_on_every_path(tmp_path):
+    """A tensor over a read-only mapping: the kernel's own reads say EFAULT, and so must the
+    bounce buffer's copy for unaligned edges (it used to crash the process with SIGSEGV).
+    Run in a child process, so a regression fails this test, not the whole suite."""
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.write_bytes(os.urandom(1 << 16))
+    ro.write_bytes(b"\0" * (1 << 16))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _READ_ONLY_SCRIPT, str(src), str(ro)], capture_output=True,
+                          text=True, timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stdout.split("\n")
+    assert [l.split()[1] for l in lines if l] == [str(errno.EFAULT)] * 4, proc.stdout

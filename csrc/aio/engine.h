@@ -82,6 +82,7 @@ class Worker {
   void complete(Slot& slot, long res);
   void run_buffered(Piece& piece);
   void finish_slot(Slot& slot);
+  static int copy_out(char* dst, const char* src, size_t n);
   void wait_for_work(bool eagain);
 
   const size_t block_size_;
