@@ -9,8 +9,10 @@ all: a single plain `python train.py` needs no launcher.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,6 +93,48 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
     )
 
 
+# [Note: collective tensors at exit] gloo runs each collective on its own threads, and such
+# a thread drops its reference to the work - and through it to the work's tensors - only
+# *after* the waiter was woken. If Python dropped its own reference first, that last
+# release happens on the gloo thread and must take the GIL to free the tensor's Python
+# object. While the interpreter is alive that is harmless; during interpreter shutdown
+# (a script that ends right after its last step, or right after close()) the GIL cannot be
+# taken, CPython ends the thread with pthread_exit, and the unwind through C++ aborts the
+# process: "terminate called without an active exception", SIGABRT after all work was
+# done (seen in gdb: ProcessGroupGloo::runLoop -> ~AsyncWork -> decref_pyobject ->
+# take_gil -> pthread_exit -> std::terminate). So every collective gets fresh views of its
+# tensors, kept here until their use count says the group's threads let them go, and
+# `settle_collectives()` (at close and at exit) waits for that before Python may free them.
+_IN_FLIGHT: collections.deque = collections.deque()
+"""Views passed to collectives that the group's threads may still hold (see the note)."""
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A new view of `t` to hand to a collective, remembered until the group's threads let
+    it go. Being new, only this module and the collective reference it: its use count is
+    back to 1 exactly when the work holding it was released."""
+    while _IN_FLIGHT and _IN_FLIGHT[0]._use_count() <= 1:
+        _IN_FLIGHT.popleft()
+    v = t.view(t.shape)
+    _IN_FLIGHT.append(v)
+    return v
+
+
+def settle_collectives(timeout_s: float = 10.0) -> bool:
+    """Wait until the group's threads hold none of the views handed to collectives (see
+    the note); True when settled, False after `timeout_s`. Call after waiting every work:
+    what remains is each thread's last release, which follows the wait within moments."""
+    deadline = time.monotonic() + timeout_s
+    while _IN_FLIGHT:
+        if _IN_FLIGHT[0]._use_count() <= 1:
+            _IN_FLIGHT.popleft()
+            continue
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
 def all_gather_into(
     full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False
 ) -> Optional[dist.Work]:
@@ -100,7 +144,7 @@ def all_gather_into(
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return None
-    return _ALL_GATHER(full, shard, group=pg.group, async_op=async_op)
+    return _ALL_GATHER(_fresh(full), _fresh(shard), group=pg.group, async_op=async_op)
 
 
 def reduce_scatter_mean(
@@ -112,18 +156,19 @@ def reduce_scatter_mean(
     if pg.world_size == 1:
         shard.copy_(full)
         return None
-    return _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG, group=pg.group, async_op=async_op)
+    return _REDUCE_SCATTER(_fresh(shard), _fresh(full), op=dist.ReduceOp.AVG, group=pg.group,
+                           async_op=async_op)
 
 
 def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     if pg.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg.group)
+        dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group)
     return t
 
 
 def all_reduce_max_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     if pg.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg.group)
+        dist.all_reduce(_fresh(t), op=dist.ReduceOp.MAX, group=pg.group)
     return t
 
 

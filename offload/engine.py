@@ -182,6 +182,7 @@ class Engine:
         """A non-finite loss seen in this accumulation step (config.nonfinite_loss='skip'):
         the step is skipped at its boundary."""
 
+        _check_weights_present(model)
         plans = plan_units(model, config.unit_modules)
         groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
         planned = self._plan_layouts(plans, group_of)
@@ -1353,6 +1354,10 @@ class Engine:
         exit."""
         _LIVE_ENGINES.discard(self)
         _remove_hooks(self._hooks)
+        if _released_parameters(self.module) and not getattr(self, "_closed_hook", None):
+            # The parameter tier kept the weights (NVMe): the closed model has none. Say so
+            # on its next forward instead of torch's setStorage error.
+            self._closed_hook = self.module.register_forward_pre_hook(_forward_of_a_closed_model)
         prefetcher = getattr(self, "prefetcher", None)  # absent when __init__ failed early
         if prefetcher is not None:
             prefetcher.drop()
@@ -1361,8 +1366,11 @@ class Engine:
             self._finalizer()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():
             # Every rank leaves together: gloo aborts a process whose peer tears its
-            # connections down while it is still tearing down its own.
-            dist.barrier()
+            # connections down while it is still tearing down its own. The barrier's work
+            # holds the works before it: settle again before the group goes.
+            barrier = torch.zeros(1)
+            _dist.all_reduce_sum_(barrier, self.pg)
+            _dist.settle_collectives()
             dist.destroy_process_group()
 
     def _drain_collectives(self) -> None:
@@ -1379,6 +1387,7 @@ class Engine:
         self._reduces = []
         for unit in self.units:
             unit.free()  # waits for a gather in flight
+        _dist.settle_collectives()  # [Note: collective tensors at exit]
 
     def __enter__(self) -> "Engine":
         return self
@@ -1469,6 +1478,37 @@ def _bind0(fn: Callable[[FlatUnit], None], unit: FlatUnit) -> Callable[[], None]
             bound(unit)
 
     return callback
+
+
+_CLOSED_MODEL_FIX = (
+    "take the weights before close() with sd = engine.full_state_dict(), then "
+    "model.to_empty(device='cpu'); model.load_state_dict(sd) (tied weights stay tied), or "
+    "build the model again"
+)
+
+
+def _released_parameters(model: nn.Module) -> list[str]:
+    """Parameters whose memory an engine released (numel > 0, storage of 0 bytes)."""
+    return [n for n, p in model.named_parameters()
+            if p.device.type != "meta" and p.numel() and p.untyped_storage().nbytes() == 0]
+
+
+def _check_weights_present(model: nn.Module) -> None:
+    empty = _released_parameters(model)
+    if empty:
+        raise ValueError(
+            f"the model's parameters {empty[:3]}{' ...' if len(empty) > 3 else ''} hold no data: "
+            f"an offload engine that kept them on NVMe was closed; {_CLOSED_MODEL_FIX}"
+        )
+
+
+def _forward_of_a_closed_model(module: nn.Module, args: Any) -> None:
+    empty = _released_parameters(module)
+    if empty:
+        raise RuntimeError(
+            f"this model's parameters ({empty[0]}, ...) belong to an offload engine that was "
+            f"closed, which kept the weights on NVMe: the model has none now; {_CLOSED_MODEL_FIX}"
+        )
 
 
 def _remove_hooks(handles: list[Any]) -> None:

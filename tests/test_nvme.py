@@ -684,6 +684,28 @@ def test_a_timeline_path_in_a_missing_directory_fails_at_initialize(tmp_path, ca
     assert sum("could not be written" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_model_whose_nvme_engine_was_closed_says_how_to_get_its_weights_back(tmp_path):
+    """With param_tier='nvme' the closed engine took the weights with it: the model's
+    forward and a new initialize say so and how to restore them; the recipe works."""
+    model = TinyGPT()
+    engine = offload.initialize(model, tier_config(tmp_path, "nvme", "cpu"))
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    with pytest.raises(RuntimeError, match=r"belong to an offload engine that was closed.*to_empty"):
+        model(x, y)
+    with pytest.raises(ValueError, match=r"hold no data: an offload engine that kept them on NVMe was closed"):
+        offload.initialize(model, tier_config(tmp_path, "cpu", "cpu"))
+    model.to_empty(device="cpu")
+    model.load_state_dict(sd)
+    assert model.lm_head.weight is model.wte.weight
+    again = offload.initialize(model, tier_config(tmp_path, "cpu", "cpu"))
+    assert all(torch.equal(v, sd[k]) for k, v in again.full_state_dict().items())
+    again.close()
+
+
 # -- layout -----------------------------------------------------------------------------------
 
 
