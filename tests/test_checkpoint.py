@@ -357,6 +357,53 @@ def test_resume_is_exact_world_size_2(ws2_checkpoint):
             assert resumed[0][case + "/adopted"] > 0 and resumed[1][case + "/adopted"] > 0
 
 
+def _ws2_node_local(rank: int, world_size: int, root: str) -> dict:
+    """Two 'nodes' on one machine: each rank works in its own directory (its node's disk),
+    with LOCAL_RANK 0 (each the first rank of its node), and names the checkpoint
+    directory relatively, as a script run on every node would."""
+    node = os.path.join(root, f"node{rank}")
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    seed_all(1)
+    straight = build()
+    train(straight, 2 * N, rank, world_size)
+    want = straight.full_state_dict()
+    straight.close()
+    seed_all(1)
+    first = build()
+    train(first, N, rank, world_size)
+    path = first.save_checkpoint("ckpt", client_state={"rank": rank})
+    first.close()
+    seed_all(12345)
+    second = build(seed=7)
+    got_path, client = second.load_checkpoint("ckpt")
+    train(second, N, rank, world_size)
+    got = second.full_state_dict()
+    second.close()
+    return {"path": path, "loaded": got_path, "client": client, "want": want, "got": got,
+            "files": sorted(os.listdir(os.path.join(node, "ckpt", os.path.basename(path))))}
+
+
+def test_node_local_checkpoint_directories_save_and_resume_exactly(tmp_path):
+    """No shared filesystem: each node's directory gets its own ranks' files and the
+    manifest, and the resume at the saving world size is exact ([Note: node-local
+    checkpoints])."""
+    r0, r1 = run_distributed(_ws2_node_local, 2, str(tmp_path))
+    assert r0["client"] == {"rank": 0} and r1["client"] == {"rank": 1}
+    assert r0["files"] == ["manifest.json", "rank00000.shards", "rank00000.state"], r0["files"]
+    assert r1["files"] == ["manifest.json", "rank00001.shards", "rank00001.state"], r1["files"]
+    for node in ("node0", "node1"):
+        assert open(tmp_path / node / "ckpt" / "latest").read().strip() == "global_step3"
+        assert not [n for n in os.listdir(tmp_path / node / "ckpt") if n.startswith(".")]
+    assert_same_sd(r0["got"], r0["want"])
+    # re-sharding needs every rank's files: one node's directory says so
+    engine = build()
+    with pytest.raises(FileNotFoundError, match=r"missing rank 1's shards file.*node-local"):
+        engine.load_checkpoint(str(tmp_path / "node0" / "ckpt"))
+    engine.close()
+
+
 def _assert_prefix_equal(got: torch.Tensor, want: torch.Tensor, what) -> None:
     """Equal over the common length; beyond it (padding of one layout or the other) zero."""
     m = min(got.numel(), want.numel())

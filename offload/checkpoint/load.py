@@ -73,7 +73,10 @@ def load_checkpoint(
         raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
     path = files.resolve_tag(os.fspath(load_dir), tag)
     saved = manifest.read(path)
-    manifest.verify_files(path, saved)
+    # At the saving world size each rank reads its own files only (which is all a node
+    # holds of a checkpoint saved to node-local directories); re-sharding reads them all.
+    same = saved["world_size"] == engine.world_size
+    manifest.verify_files(path, saved, [engine.rank] if same else None)
     manifest.check_compatible(saved, engine)
     own = engine.rank if engine.rank < saved["world_size"] else 0
     state = read_rank_state(path, saved, own)
@@ -210,6 +213,8 @@ def _readable_in_place(
     swap_dev = os.stat(engine.nvme.directory.path).st_dev
     out = {}
     for file, _ in records:
+        if not os.path.exists(file):
+            continue  # another node's file (node-local checkpoint): not read by this rank
         ok = probe_direct_io(file)
         if ok and copy_to_swap is None:
             ok = os.stat(file).st_dev == swap_dev

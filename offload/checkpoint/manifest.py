@@ -18,7 +18,7 @@ import errno
 import json
 import os
 import time
-from typing import Any
+from typing import Optional, Any
 
 import torch
 
@@ -123,9 +123,11 @@ def read(ckpt_dir: str) -> dict[str, Any]:
     return data
 
 
-def verify_files(ckpt_dir: str, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists exists with its recorded size."""
+def verify_files(ckpt_dir: str, manifest: dict[str, Any], ranks: Optional[list[int]] = None) -> None:
+    """Every file of the saved `ranks` (default: all) exists with its recorded size."""
     for entry in manifest["ranks"]:
+        if ranks is not None and entry["rank"] not in ranks:
+            continue
         for what in ("shards", "state"):
             f = entry[what]
             path = os.path.join(ckpt_dir, f["file"])
@@ -136,7 +138,9 @@ def verify_files(ckpt_dir: str, manifest: dict[str, Any]) -> None:
                     errno.ENOENT, f"checkpoint {ckpt_dir!r} is missing rank {entry['rank']}'s "
                     f"{what} file {f['file']!r} (saved with world size "
                     f"{manifest['world_size']}); the checkpoint is incomplete, copy the whole "
-                    "directory or load another tag", path,
+                    "directory or load another tag (a checkpoint saved to node-local "
+                    "directories loads at its own world size; to load it at another, copy every "
+                    "node's files into one directory)", path,
                 ) from None
             if size != f["size"]:
                 raise CheckpointCorruptError(

@@ -15,6 +15,15 @@ A failure on any rank (disk full, permission) reaches every rank: all ranks exch
 their outcome before anything is published, each raises, and rank 0 removes the
 temporary directory. The previous checkpoint and `latest` are never touched by a save
 that does not complete.
+
+[Note: node-local checkpoints] A shared filesystem is not required. Rank 0 names the
+temporary directory and every rank makes it under its own `save_dir` (the same directory
+when it is shared, a node's own disk when not) and writes its files there. After rank 0
+has published its directory, the first rank of every other node (LOCAL_RANK 0) finds its
+node's temporary directory still there exactly when its storage is not rank 0's, and
+publishes it the same way with the same manifest. Each node then holds its own ranks'
+files: loading at the saving world size needs nothing else (each rank reads its own
+files); re-sharding needs every rank's files in one directory, and says so.
 """
 
 from __future__ import annotations
@@ -59,19 +68,29 @@ def save_checkpoint(
     engine._sync_device()
     rank = engine.rank
 
-    # 1. Rank 0 makes the temporary directory (and clears what killed saves left).
+    # 1. Rank 0 names the temporary directory (and clears what killed saves left); every
+    #    rank makes it under its own save_dir, so node-local directories work as well as a
+    #    shared one ([Note: node-local checkpoints]).
     prep: Any = None
     if rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
             files.remove_stale(save_dir)
-            prep = ("ok", files.new_temp_dir(save_dir, tag))
+            prep = ("ok", os.path.basename(files.new_temp_dir(save_dir, tag)))
         except OSError as exc:
             prep = ("error", _describe(exc, f"cannot create a checkpoint in {save_dir!r}"))
     prep = _broadcast(engine, prep)
     if prep[0] != "ok":
         raise _as_oserror(prep[1])
-    tmp = prep[1]
+    tmp = os.path.join(save_dir, prep[1])
+    leader = rank != 0 and _local_rank(engine) == 0
+    if rank != 0:
+        try:
+            os.makedirs(tmp, exist_ok=True)  # a no-op on a directory shared with rank 0
+            if leader:
+                files.remove_stale(save_dir, keep=prep[1])
+        except OSError:
+            pass  # reported by this rank's write below
 
     # 2. Every rank writes its files.
     outcome: Any
@@ -84,7 +103,8 @@ def save_checkpoint(
     outcomes = _gather(engine, outcome)
     failed = [o[1] for o in outcomes if o[0] != "ok"]
 
-    # 3. Rank 0 writes the manifest and publishes; everyone learns the outcome.
+    # 3. Rank 0 writes the manifest and publishes; everyone learns the outcome (and the
+    #    manifest, for the nodes whose directory rank 0 does not see).
     final = os.path.join(save_dir, tag)
     status: Any = None
     if rank == 0:
@@ -93,13 +113,14 @@ def save_checkpoint(
         else:
             try:
                 m = manifest.build(engine, tag, chunk_bytes, [o[1] for o in outcomes])
-                files.write_file_durably(os.path.join(tmp, files.MANIFEST), manifest.dumps(m))
+                data = manifest.dumps(m)
+                files.write_file_durably(os.path.join(tmp, files.MANIFEST), data)
                 files.fsync_path(tmp)
                 files.test_pause("rename")
                 files.publish_dir(tmp, final)
                 files.test_pause("latest")
                 files.replace_file_durably(os.path.join(save_dir, files.LATEST), tag.encode() + b"\n")
-                status = ("ok", final)
+                status = ("ok", final, data)
             except OSError as exc:
                 status = ("error", _describe(exc, f"rank 0 failed publishing checkpoint {tag!r}"))
         if status[0] != "ok":
@@ -108,11 +129,32 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
     status = _broadcast(engine, status)
     if status[0] != "ok":
+        if os.path.isdir(tmp):  # this node's part of the failed save
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
         if own_error is not None and isinstance(own_error, OSError):
             raise _as_oserror(status[1]) from own_error
         if own_error is not None:
             raise own_error
         raise _as_oserror(status[1])
+
+    # 4. A node whose directory is its own (the temporary directory is still there after
+    #    rank 0 published its own) publishes it the same way.
+    published: Any = ("ok", None)
+    if leader and os.path.isdir(tmp):
+        try:
+            files.write_file_durably(os.path.join(tmp, files.MANIFEST), status[2])
+            files.fsync_path(tmp)
+            files.publish_dir(tmp, final)
+            files.replace_file_durably(os.path.join(save_dir, files.LATEST), tag.encode() + b"\n")
+        except OSError as exc:
+            published = ("error", _describe(exc, f"rank {rank} failed publishing checkpoint {tag!r} "
+                                                 "in its node's directory"))
+    published_all = _gather(engine, published)
+    bad = [p[1] for p in published_all if p[0] != "ok"]
+    if bad:
+        raise _as_oserror(bad[0])
     return status[1]
 
 
@@ -316,6 +358,12 @@ def _gather(engine: Any, obj: Any) -> list[Any]:
     out: list[Any] = [None] * engine.world_size
     dist.all_gather_object(out, obj, group=engine.pg.group)
     return out
+
+
+def _local_rank(engine: Any) -> int:
+    """This rank's index on its node (torchrun's LOCAL_RANK; without it, one node)."""
+    local = os.environ.get("LOCAL_RANK", "")
+    return int(local) if local.isdigit() else engine.rank
 
 
 def barrier(engine: Any) -> None:
