@@ -308,6 +308,17 @@ class HeldFiles:
         self._refs.clear()
 
 
+def reap_writes(last_write: list[Optional[Pending]], finished_only: bool) -> None:
+    """Wait for a store's last writes per slot (only those already finished with
+    `finished_only`: never blocks) and forget them, dropping their errors: a failed write
+    has marked its slot lost through `on_error`, and its error is reported from there
+    (`SwapFile.write_failure`), once."""
+    for i, h in enumerate(last_write):
+        if h is not None and (not finished_only or h.done()):
+            last_write[i] = None
+            wait_quietly([h])
+
+
 def wait_quietly(handles: Sequence[Any]) -> None:
     """Wait for every handle, ignoring failures (used when unwinding after an error)."""
     for h in handles:

@@ -23,7 +23,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from offload.io import ALIGNMENT
-from offload.nvme import NVMeContext, Pending, wait_quietly
+from offload.nvme import NVMeContext, Pending, reap_writes, wait_quietly
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -328,14 +328,11 @@ class NVMeTier(Tier):
         self._swap.mark_written(i, False)
 
     def write_failure(self) -> Optional[BaseException]:
-        _reap_failed(self._last_write)
+        reap_writes(self._last_write, finished_only=True)
         return self._swap.write_failure()
 
     def settle(self) -> None:
-        for i, h in enumerate(self._last_write):
-            if h is not None:
-                self._last_write[i] = None
-                wait_quietly([h])
+        reap_writes(self._last_write, finished_only=False)
 
     def flush(self) -> None:
         """Wait for every write of this tier (raises the first failure)."""
@@ -370,15 +367,6 @@ class NVMeTier(Tier):
             )
         if not buf.is_contiguous():
             raise ValueError(f"shard {key!r}: the buffer must be contiguous")
-
-
-def _reap_failed(last_write: list[Optional[Pending]]) -> None:
-    """Wait for the writes that have finished (never blocks), so that a failed one marks
-    its slot; its error is reported by `write_failure`, not raised here."""
-    for i, h in enumerate(last_write):
-        if h is not None and h.done():
-            last_write[i] = None
-            wait_quietly([h])
 
 
 class ReadAhead:
