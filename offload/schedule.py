@@ -333,10 +333,7 @@ class _Entry:
         self.fresh = False
 
     def done(self) -> bool:
-        pending = getattr(self.what, "pending", None)
-        if pending is not None:
-            return pending.done()
-        return self.what.event.query()
+        return self.what.done()
 
     def drop(self) -> None:
         self.what.release()
@@ -365,6 +362,10 @@ class _CudaCopy:
             unit.tier.fetch(unit.key, self.local)  # pinned host -> device, asynchronous
             self.event = torch.cuda.Event()
             self.event.record(stream)
+
+    def done(self) -> bool:
+        """Whether the copy has finished on its stream (never blocks)."""
+        return self.event.query()
 
     def ready_on_compute_stream(self) -> None:
         torch.cuda.current_stream(self.unit.device).wait_event(self.event)

@@ -380,6 +380,10 @@ class ReadAhead:
         self.local = local
         self._release = release
 
+    def done(self) -> bool:
+        """Whether the read has landed (never blocks)."""
+        return self.pending.done()
+
     def release(self) -> None:
         if self._release is not None:
             wait_quietly([self.pending])  # the buffer is the read's target until it lands
