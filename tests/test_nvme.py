@@ -581,6 +581,10 @@ import signal, sys, time
 import offload
 from tests.conftest import TinyGPT, gpt_batches
 from tests.test_nvme import tier_config
+# as a process started from a terminal: the default dispositions (a parent such as nohup or
+# a CI runner may have left SIGHUP ignored, and an ignored signal is left alone)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 if sys.argv[2] == "own-handler":
     signal.signal(signal.SIGTERM, lambda *a: (print("own handler", flush=True), sys.exit(0)))
 engine = offload.initialize(TinyGPT(), tier_config(sys.argv[1]))
