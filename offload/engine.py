@@ -28,8 +28,6 @@ What happens underneath (see docs/engine.md for the full story):
 
 from __future__ import annotations
 
-import atexit
-import enum
 import logging
 import math
 import os
@@ -44,6 +42,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload import distributed as _dist
 from offload.config import Config, load_config
+from offload.lifecycle import (
+    LIVE_ENGINES,
+    EngineState,
+    bind,
+    bind0,
+    check_weights_present,
+    forward_of_a_closed_model,
+    released_parameters,
+    remove_hooks,
+)
 from offload.loss_scaler import LossScaler
 from offload.schedule import Prefetcher, Schedule
 from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
@@ -174,7 +182,7 @@ class Engine:
         self.last_grad_norm: Optional[float] = None
         self._in_backward = False
         self._hooks: list[Any] = []
-        _LIVE_ENGINES.add(self)
+        LIVE_ENGINES.add(self)
         self.state = EngineState.READY
         self._failure: Optional[BaseException] = None
         """What put the engine in EngineState.FAILED (the step's own error)."""
@@ -182,7 +190,7 @@ class Engine:
         """A non-finite loss seen in this accumulation step (config.nonfinite_loss='skip'):
         the step is skipped at its boundary."""
 
-        _check_weights_present(model)
+        check_weights_present(model)
         plans = plan_units(model, config.unit_modules)
         groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
         planned = self._plan_layouts(plans, group_of)
@@ -578,13 +586,13 @@ class Engine:
             module = self.module if unit.index == ROOT else _module_by_name(self.module, unit.name)
             self._hooks.append(
                 module.register_forward_pre_hook(
-                    _bind(self._pre_forward, unit), with_kwargs=True, prepend=True
+                    bind(self._pre_forward, unit), with_kwargs=True, prepend=True
                 )
             )
             self._hooks.append(
-                module.register_forward_hook(_bind(self._post_forward, unit), always_call=False)
+                module.register_forward_hook(bind(self._post_forward, unit), always_call=False)
             )
-        weakref.finalize(self, _remove_hooks, self._hooks)  # [Note: weak hooks]
+        weakref.finalize(self, remove_hooks, self._hooks)  # [Note: weak hooks]
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if unit.index == ROOT and not self._in_backward:
@@ -604,7 +612,7 @@ class Engine:
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if idx:
-                outs = _PostBackward.apply(_bind0(self._post_backward, unit), *[flat[i] for i in idx])
+                outs = _PostBackward.apply(bind0(self._post_backward, unit), *[flat[i] for i in idx])
                 for i, t in zip(idx, outs):
                     flat[i] = t
                 track.n_forward += 1
@@ -624,7 +632,7 @@ class Engine:
         ]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, _bind(self._pre_backward, unit), mode="any"
+                tensors, bind(self._pre_backward, unit), mode="any"
             )
         if unit.index != ROOT:
             if not (tensors and self.schedule.keep_after_forward(unit.index)):
@@ -1027,7 +1035,7 @@ class Engine:
         if self.state is EngineState.READY:
             # A write that failed after its step returned (it surfaced in a later forward's
             # read, say) lost a shard just the same.
-            lost = self.param_tier.write_failure() or self.optimizer_states.write_failure()
+            lost = self._lost_write()
             if lost is not None:
                 self._fail(lost)
         if self.state is EngineState.FAILED:
@@ -1038,6 +1046,10 @@ class Engine:
                 "updated, others not). Fix the cause, then engine.load_checkpoint(...) restores "
                 "a consistent state and training goes on; or engine.close()"
             ) from exc
+
+    def _lost_write(self) -> Optional[BaseException]:
+        """The error of a write whose failure has been seen (its slot is lost), or None."""
+        return self.param_tier.write_failure() or self.optimizer_states.write_failure()
 
     def _recover(self) -> None:
         """Before a load restores the state of a failed engine: let every write still in
@@ -1286,9 +1298,7 @@ class Engine:
         every chunk's checksum is verified during the load. See docs/checkpoint.md."""
         from offload.checkpoint import load_checkpoint
 
-        if self.state is EngineState.FAILED or (
-            self.param_tier.write_failure() or self.optimizer_states.write_failure()
-        ) is not None:
+        if self.state is EngineState.FAILED or self._lost_write() is not None:
             self._recover()
         out = load_checkpoint(self, load_dir, tag, copy_to_swap=copy_to_swap)
         # Every unit's parameters and state now come from the checkpoint: consistent again.
@@ -1352,12 +1362,12 @@ class Engine:
         the I/O workers and delete this rank's swap files; destroy the process group if this
         engine started it. Idempotent; also what `with initialize(...) as engine:` does on
         exit."""
-        _LIVE_ENGINES.discard(self)
-        _remove_hooks(self._hooks)
-        if _released_parameters(self.module) and not getattr(self, "_closed_hook", None):
+        LIVE_ENGINES.discard(self)
+        remove_hooks(self._hooks)
+        if released_parameters(self.module) and not getattr(self, "_closed_hook", None):
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.
-            self._closed_hook = self.module.register_forward_pre_hook(_forward_of_a_closed_model)
+            self._closed_hook = self.module.register_forward_pre_hook(forward_of_a_closed_model)
         prefetcher = getattr(self, "prefetcher", None)  # absent when __init__ failed early
         if prefetcher is not None:
             prefetcher.drop()
@@ -1375,13 +1385,10 @@ class Engine:
 
     def _drain_collectives(self) -> None:
         """Wait for every collective this engine issued asynchronously (the gathers issued
-        ahead, e.g. for the next iteration's first units, and gradient reduce-scatters).
-        [Note: no work outlives the engine] gloo runs an asynchronous work on its own
-        threads and frees it there when done; a work still in flight when the process group
-        is destroyed, or when the interpreter exits, is freed by a gloo thread while Python
-        is being torn down: std::terminate ('terminate called without an active exception',
-        SIGABRT) after the run's work was complete. Every rank issued the same collectives,
-        so each of these waits completes."""
+        ahead, e.g. for the next iteration's first units, and gradient reduce-scatters), then
+        until gloo's threads let their tensors go ([Note: collective tensors at exit] in
+        offload/distributed.py). Every rank issued the same collectives, so each wait
+        completes."""
         for _, red, _ in self._reduces:
             red.wait()
         self._reduces = []
@@ -1424,94 +1431,3 @@ def _acquire(t: torch.Tensor, layout: Any, rank: int, whole: bool) -> None:
 def _module_by_name(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name)
 
-
-# [Note: weak hooks] Hooks live on the user's model, which usually outlives the engine
-# (a notebook re-runs `engine = offload.initialize(model, ...)`, a script drops the engine
-# without close()). A hook holding the engine's bound method would keep the engine, its
-# swap files and its lock alive for as long as the model lives. So hooks hold the engine
-# weakly, and a finalizer removes them when the engine is collected.
-
-
-_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-"""Engines not yet closed, for the exit hook below."""
-
-
-@atexit.register
-def _drain_live_engines_at_exit() -> None:
-    """A script that ends without engine.close(): finish each live engine's collectives in
-    flight before the interpreter tears down ([Note: no work outlives the engine])."""
-    for engine in list(_LIVE_ENGINES):
-        try:
-            if getattr(engine, "prefetcher", None) is not None:
-                engine._drain_collectives()
-        except Exception:  # noqa: BLE001 - exiting anyway; a failed wait must not mask the exit
-            pass
-
-
-class EngineState(enum.Enum):
-    """Whether the engine's parameters, gradients and optimizer state are consistent."""
-
-    READY = "ready"
-    """Consistent: train, save, load, close."""
-    FAILED = "failed"
-    """An optimizer step (or a backward that ran updates) failed part-way: some units were
-    updated and others not. Only `load_checkpoint` (which restores a consistent state) and
-    `close` are allowed; the error that caused it belongs to the step that raised it."""
-
-
-def _bind(fn: Callable[..., Any], unit: FlatUnit) -> Callable[..., Any]:
-    method = weakref.WeakMethod(fn)
-
-    def hook(*args: Any) -> Any:
-        bound = method()
-        return None if bound is None else bound(unit, *args)
-
-    return hook
-
-
-def _bind0(fn: Callable[[FlatUnit], None], unit: FlatUnit) -> Callable[[], None]:
-    method = weakref.WeakMethod(fn)
-
-    def callback() -> None:
-        bound = method()
-        if bound is not None:
-            bound(unit)
-
-    return callback
-
-
-_CLOSED_MODEL_FIX = (
-    "take the weights before close() with sd = engine.full_state_dict(), then "
-    "model.to_empty(device='cpu'); model.load_state_dict(sd) (tied weights stay tied), or "
-    "build the model again"
-)
-
-
-def _released_parameters(model: nn.Module) -> list[str]:
-    """Parameters whose memory an engine released (numel > 0, storage of 0 bytes)."""
-    return [n for n, p in model.named_parameters()
-            if p.device.type != "meta" and p.numel() and p.untyped_storage().nbytes() == 0]
-
-
-def _check_weights_present(model: nn.Module) -> None:
-    empty = _released_parameters(model)
-    if empty:
-        raise ValueError(
-            f"the model's parameters {empty[:3]}{' ...' if len(empty) > 3 else ''} hold no data: "
-            f"an offload engine that kept them on NVMe was closed; {_CLOSED_MODEL_FIX}"
-        )
-
-
-def _forward_of_a_closed_model(module: nn.Module, args: Any) -> None:
-    empty = _released_parameters(module)
-    if empty:
-        raise RuntimeError(
-            f"this model's parameters ({empty[0]}, ...) belong to an offload engine that was "
-            f"closed, which kept the weights on NVMe: the model has none now; {_CLOSED_MODEL_FIX}"
-        )
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()

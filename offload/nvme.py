@@ -308,13 +308,12 @@ class HeldFiles:
         self._refs.clear()
 
 
-def reap_writes(last_write: list[Optional[Pending]], finished_only: bool) -> None:
-    """Wait for a store's last writes per slot (only those already finished with
-    `finished_only`: never blocks) and forget them, dropping their errors: a failed write
-    has marked its slot lost through `on_error`, and its error is reported from there
-    (`SwapFile.write_failure`), once."""
+def settle_writes(last_write: list[Optional[Pending]]) -> None:
+    """Wait for a store's last write per slot and forget them, dropping their errors: a
+    failed write has marked its slot lost through `on_error` (`SwapFile.write_failure`
+    reports it from there)."""
     for i, h in enumerate(last_write):
-        if h is not None and (not finished_only or h.done()):
+        if h is not None:
             last_write[i] = None
             wait_quietly([h])
 

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from offload.io import align_up
-from offload.nvme import NVMeContext, Pending, reap_writes, wait_quietly
+from offload.nvme import NVMeContext, Pending, settle_writes, wait_quietly
 
 
 @dataclass(frozen=True)
@@ -407,14 +407,13 @@ class NVMeOptimizerStates:
 
     def write_failure(self) -> Optional[BaseException]:
         """The error of a write that failed and lost a unit's state, or None."""
-        reap_writes(self._last_write, finished_only=True)
         return self._swap.write_failure()
 
     def settle(self) -> None:
         """After a failed step: drop the reads ahead, wait for every write in flight and drop
         their failures (slots whose write failed stay unreadable until rewritten)."""
         self.cancel_prefetch()
-        reap_writes(self._last_write, finished_only=False)
+        settle_writes(self._last_write)
 
     def cancel_prefetch(self, index: Optional[int] = None) -> None:
         """Drop reads submitted ahead (all, or unit `index`'s): the step was skipped, or the

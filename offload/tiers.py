@@ -23,7 +23,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from offload.io import ALIGNMENT
-from offload.nvme import NVMeContext, Pending, reap_writes, wait_quietly
+from offload.nvme import NVMeContext, Pending, settle_writes, wait_quietly
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -328,11 +328,10 @@ class NVMeTier(Tier):
         self._swap.mark_written(i, False)
 
     def write_failure(self) -> Optional[BaseException]:
-        reap_writes(self._last_write, finished_only=True)
         return self._swap.write_failure()
 
     def settle(self) -> None:
-        reap_writes(self._last_write, finished_only=False)
+        settle_writes(self._last_write)
 
     def flush(self) -> None:
         """Wait for every write of this tier (raises the first failure)."""

@@ -1,0 +1,109 @@
+"""An engine's life around the user's model: its state, the hooks that must not keep it
+alive, the exit hook for engines never closed, and what a closed engine leaves behind.
+
+Kept apart from `offload.engine` so that the engine's training path stays one file's
+concern; nothing here imports the engine (it holds engines only weakly, as objects).
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import weakref
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["EngineState"]
+
+
+# [Note: weak hooks] Hooks live on the user's model, which usually outlives the engine
+# (a notebook re-runs `engine = offload.initialize(model, ...)`, a script drops the engine
+# without close()). A hook holding the engine's bound method would keep the engine, its
+# swap files and its lock alive for as long as the model lives. So hooks hold the engine
+# weakly, and a finalizer removes them when the engine is collected.
+
+
+LIVE_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Engines not yet closed, for the exit hook below."""
+
+
+@atexit.register
+def _drain_live_engines_at_exit() -> None:
+    """A script that ends without engine.close(): finish each live engine's collectives in
+    flight before the interpreter tears down ([Note: collective tensors at exit])."""
+    for engine in list(LIVE_ENGINES):
+        try:
+            if getattr(engine, "prefetcher", None) is not None:
+                engine._drain_collectives()
+        except Exception:  # noqa: BLE001 - exiting anyway; a failed wait must not mask the exit
+            pass
+
+
+class EngineState(enum.Enum):
+    """Whether the engine's parameters, gradients and optimizer state are consistent."""
+
+    READY = "ready"
+    """Consistent: train, save, load, close."""
+    FAILED = "failed"
+    """An optimizer step (or a backward that ran updates) failed part-way: some units were
+    updated and others not. Only `load_checkpoint` (which restores a consistent state) and
+    `close` are allowed; the error that caused it belongs to the step that raised it."""
+
+
+def bind(fn: Callable[..., Any], unit: Any) -> Callable[..., Any]:
+    method = weakref.WeakMethod(fn)
+
+    def hook(*args: Any) -> Any:
+        bound = method()
+        return None if bound is None else bound(unit, *args)
+
+    return hook
+
+
+def bind0(fn: Callable[[Any], None], unit: Any) -> Callable[[], None]:
+    method = weakref.WeakMethod(fn)
+
+    def callback() -> None:
+        bound = method()
+        if bound is not None:
+            bound(unit)
+
+    return callback
+
+
+_CLOSED_MODEL_FIX = (
+    "take the weights before close() with sd = engine.full_state_dict(), then "
+    "model.to_empty(device='cpu'); model.load_state_dict(sd) (tied weights stay tied), or "
+    "build the model again"
+)
+
+
+def released_parameters(model: nn.Module) -> list[str]:
+    """Parameters whose memory an engine released (numel > 0, storage of 0 bytes)."""
+    return [n for n, p in model.named_parameters()
+            if p.device.type != "meta" and p.numel() and p.untyped_storage().nbytes() == 0]
+
+
+def check_weights_present(model: nn.Module) -> None:
+    empty = released_parameters(model)
+    if empty:
+        raise ValueError(
+            f"the model's parameters {empty[:3]}{' ...' if len(empty) > 3 else ''} hold no data: "
+            f"an offload engine that kept them on NVMe was closed; {_CLOSED_MODEL_FIX}"
+        )
+
+
+def forward_of_a_closed_model(module: nn.Module, args: Any) -> None:
+    empty = released_parameters(module)
+    if empty:
+        raise RuntimeError(
+            f"this model's parameters ({empty[0]}, ...) belong to an offload engine that was "
+            f"closed, which kept the weights on NVMe: the model has none now; {_CLOSED_MODEL_FIX}"
+        )
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
