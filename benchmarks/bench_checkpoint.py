@@ -110,7 +110,7 @@ def drop_cache(path: str) -> None:
 
 
 def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]:
-    from offload.io import AIOHandle, aligned_empty
+    from offload.storage.io import AIOHandle, aligned_empty
 
     aio = engine.config.aio
     handle = AIOHandle(block_size=aio.block_size, queue_depth=aio.queue_depth, threads=aio.threads)

@@ -1,6 +1,6 @@
 """Sequential read and write bandwidth of offload's AIO engine, against fio and DeepSpeed AIO.
 
-The question: does offload.io move a multi-GB file between memory and disk as fast as the
+The question: does offload.storage.io move a multi-GB file between memory and disk as fast as the
 tools people already trust? Each case (block size, queue depth, threads) runs the same
 transfer of the same file with every contender, interleaved (A B C, B C A, C A B ...: the order
 rotates each round), and reports medians:
@@ -48,7 +48,7 @@ from benchmarks._common import (
     ratio,
     write_json,
 )
-from offload.io import ALIGNMENT, AIOHandle, aligned_empty
+from offload.storage.io import ALIGNMENT, AIOHandle, aligned_empty
 
 GB = 1e9
 

@@ -23,9 +23,9 @@ A contender that cannot run here is dropped with its reason printed.
 For the NVMe contenders the table adds the bytes moved per step (engine.io_stats()), the
 disk bandwidth that amounts to over the step time, the time the step waited for I/O, and
 that bandwidth as a share of the disk's sequential peak, measured in the same run with
-offload.io (one large O_DIRECT write and read of a file under --nvme-path).
+offload.storage.io (one large O_DIRECT write and read of a file under --nvme-path).
 
-For every engine contender it adds what `engine.step_stats()` measured (offload/timeline.py):
+For every engine contender it adds what `engine.step_stats()` measured (offload/runtime/timeline.py):
 stall_ms (the engine's thread blocked on NVMe I/O of any kind, on host-to-device copies,
 and in collectives), stall_pct of the step, opt_overlap_pct (share of the optimizer's time that ran during
 backward) and, for NVMe, io_hidden_pct (1 - exposed I/O wait / the time the step's bytes
@@ -138,9 +138,9 @@ def _ensure_group(device: torch.device) -> None:
 
 
 def disk_peak(path: str, nbytes: int, block_size: int, queue_depth: int, threads: int, rounds: int = 3) -> dict[str, float]:
-    """Sequential O_DIRECT write and read of one `nbytes` file with offload.io: the disk's
+    """Sequential O_DIRECT write and read of one `nbytes` file with offload.storage.io: the disk's
     peak as the NVMe tiers see it (same handle settings), medians of `rounds`."""
-    from offload.io import AIOHandle, aligned_empty
+    from offload.storage.io import AIOHandle, aligned_empty
 
     os.makedirs(path, exist_ok=True)
     f = os.path.join(path, "peak.bin")
@@ -410,7 +410,7 @@ def main() -> None:
     if io:
         peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
         peak = disk_peak(args.nvme_path, peak_bytes, args.block_size, args.queue_depth, args.io_threads)
-        print(f"disk peak (offload.io, {peak_bytes >> 20} MiB sequential O_DIRECT under {args.nvme_path}): "
+        print(f"disk peak (offload.storage.io, {peak_bytes >> 20} MiB sequential O_DIRECT under {args.nvme_path}): "
               f"write {peak['write_GBps']:.2f} GB/s, read {peak['read_GBps']:.2f} GB/s")
     samples = interleave(contenders, repeats)
     med = {k: s.median for k, s in samples.items() if s.values}

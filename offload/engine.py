@@ -6,8 +6,8 @@
     engine.step()               # optimizer step at accumulation boundaries
 
 What happens underneath (see docs/engine.md for the full story):
-- The model is split into units (`offload.units`); each unit's parameters are flattened
-  into one buffer and sharded over ranks (`offload.shard`); the module's parameters are
+- The model is split into units (`offload.units.partition`); each unit's parameters are flattened
+  into one buffer and sharded over ranks (`offload.units.shard`); the module's parameters are
   replaced by views into the unit's full buffer, which exists only while gathered.
 - Module hooks drive everything, as FSDP2's `fully_shard` does: a unit's pre-forward hook
   gathers it, its post-forward hook frees it and hooks its outputs so that backward
@@ -17,10 +17,10 @@ What happens underneath (see docs/engine.md for the full story):
   catches every unit the in-backward trigger could not (inputs without grad, the root).
 - `step()` computes the fp16 overflow flag and the global gradient norm across ranks,
   folds loss-scale, accumulation and clipping into one `grad_scale`, and runs the CPU
-  Adam over every unit's shard (`offload.step.ShardedAdam`).
+  Adam over every unit's shard (`offload.optim.sharded.ShardedAdam`).
 - With `offload.param_tier='nvme'` and/or `offload.optimizer_tier='nvme'` (docs/nvme.md),
   shards and optimizer states live in per-rank swap files under `offload.nvme_path`, moved
-  by one AIO handle through one pinned staging pool (`offload.nvme.NVMeContext`). What the
+  by one AIO handle through one pinned staging pool (`offload.storage.nvme.NVMeContext`). What the
   machine must offer (the directory, free space, a budget that holds one unit) is checked
   here, at `initialize`, and the files are deleted by `close()` (also on `with` exit and by
   a finalizer at garbage collection or interpreter exit).
@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload import distributed as _dist
+import offload.units.collectives as _dist
 from offload.config import Config, load_config
-from offload.lifecycle import (
+from offload.runtime.lifecycle import (
     LIVE_ENGINES,
     EngineState,
     bind,
@@ -52,17 +52,18 @@ from offload.lifecycle import (
     released_parameters,
     remove_hooks,
 )
-from offload.loss_scaler import LossScaler
-from offload.schedule import Prefetcher, Schedule
-from offload.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
-from offload.io import align_up
-from offload.step import (
+from offload.runtime.loss_scaler import LossScaler
+from offload.runtime.prefetch import Prefetcher
+from offload.runtime.schedule import Schedule
+from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitState, layout_unit
+from offload.storage.io import align_up
+from offload.optim.sharded import (
     ShardedAdam, UnitOptimizerState, host_state_zeros, moments_dtype, resolve_param_groups,
     transient_grad_shards,
 )
-from offload.tiers import ReadAhead, make_param_tier, wait
-from offload.timeline import Timeline, now
-from offload.units import ROOT, ParamRecord, UnitPlan, plan_units
+from offload.storage.tiers import make_param_tier, wait
+from offload.runtime.timeline import Timeline, now
+from offload.units.partition import ROOT, ParamRecord, UnitPlan, plan_units
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class Engine:
         self.device = _resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
         self.placement_plan = None
-        if config.offload.placement == "auto":  # the planner picks the tiers (offload/plan.py)
+        if config.offload.placement == "auto":  # the planner picks the tiers (offload/plan/planner.py)
             from offload.plan import resolve_placement
 
             config, self.placement_plan = resolve_placement(model, config, optimizer, self.pg, self.device)
@@ -276,7 +277,7 @@ class Engine:
         directory, AIO handle and staging pool, after checking at the door that the machine
         can hold them (directory, free space, pinned budget). Every rank learns whether any
         rank failed, so all raise together instead of some waiting in a collective."""
-        from offload.optim_state import NVMeOptimizerStates, state_layout
+        from offload.storage.optim_state import NVMeOptimizerStates, state_layout
 
         off = self.config.offload
         mdtype = moments_dtype(self.config.optimizer.moments_dtype)
@@ -285,7 +286,7 @@ class Engine:
         error: Optional[BaseException] = None
         try:
             if uses_nvme:
-                from offload.nvme import NVMeContext
+                from offload.storage.nvme import NVMeContext
 
                 self._check_nvme(planned, mdtype, state_layout)
                 self.nvme = NVMeContext(
@@ -321,7 +322,7 @@ class Engine:
 
     def _check_nvme(self, planned: list, mdtype: torch.dtype, state_layout: Any) -> None:
         """What NVMe tiers need of the machine, checked before anything is created."""
-        from offload.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
+        from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
 
         off = self.config.offload
         check_swap_dir(off.nvme_path)
@@ -381,8 +382,8 @@ class Engine:
             raise error
 
     def _build_units(self, planned: list[tuple[UnitPlan, Any, list[ParamRecord]]]) -> None:
-        from offload.materialize import materialize_values  # meta-built models (offload.init)
-        from offload.optim_state import HostOptimizerStates
+        from offload.units.materialize import materialize_values  # meta-built models (offload.init)
+        from offload.storage.optim_state import HostOptimizerStates
 
         self.units: list[FlatUnit] = []
         self.states: list[UnitOptimizerState] = []
@@ -571,10 +572,10 @@ class Engine:
         if self.config.scheduler is None:
             return None
         try:
-            from offload.lr_schedules import build_scheduler
+            from offload.optim.lr_schedules import build_scheduler
         except ImportError as exc:
             raise NotImplementedError(
-                f"config.scheduler={self.config.scheduler.type!r} needs offload.lr_schedules, "
+                f"config.scheduler={self.config.scheduler.type!r} needs offload.optim.lr_schedules, "
                 "which this build lacks; pass lr_scheduler= instead"
             ) from exc
         return build_scheduler(self.optimizer, self.config.scheduler)
@@ -714,7 +715,7 @@ class Engine:
                 self.prefetcher.drop(unit.index)
                 self._update_in_backward(unit)
 
-    # -- prefetch, optimizer in backward (offload/schedule.py, docs/prefetch.md) ----------------
+    # -- prefetch, optimizer in backward (offload/runtime/schedule.py, docs/prefetch.md) ----------------
 
     def _begin_iteration(self) -> None:
         """A forward of the root outside backward: a new iteration of the schedule."""
@@ -812,22 +813,14 @@ class Engine:
             cur.prefetched += int(ahead)
             cur.on_demand += int(not ahead)
         t0 = now()
-        if isinstance(entry.what, ReadAhead):
-            try:
-                entry.what.pending.wait()
-            except BaseException:
-                entry.drop()
-                raise
-            local, filled = entry.what.local, False
-        else:
-            entry.what.ready_on_compute_stream()
-            local, filled = None, True
+        local = entry.wait()
+        filled = local is None
         t1 = now()
         tl.count("fetch_wait", t1 - t0)
         if filled:
             tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
         if tl.enabled:
-            kind = "copy" if filled else "read"
+            kind = entry.label
             name = unit.name or "<root>"
             tl.add(f"{kind} {name}", kind, "io", entry.started, entry.done_at or t1, unit.index, ahead=ahead)
             if t1 - t0 > 1e-5:
@@ -893,7 +886,7 @@ class Engine:
         tl.add(f"adam {unit.name or '<root>'}", "optimizer", "optimizer", t0, t1, unit.index)
 
     def step_stats(self) -> Optional[dict[str, Any]]:
-        """The last completed optimizer step as the engine measured it (offload.timeline:
+        """The last completed optimizer step as the engine measured it (offload.runtime.timeline:
         step time, stall time split into fetch waits / collectives / optimizer I/O,
         optimizer time, how many units updated during backward, prefetched vs on-demand
         fetches, whether the step left its trace), or None before the first step."""
@@ -1387,7 +1380,7 @@ class Engine:
         """Wait for every collective this engine issued asynchronously (the gathers issued
         ahead, e.g. for the next iteration's first units, and gradient reduce-scatters), then
         until gloo's threads let their tensors go ([Note: collective tensors at exit] in
-        offload/distributed.py). Every rank issued the same collectives, so each wait
+        offload/units/collectives.py). Every rank issued the same collectives, so each wait
         completes."""
         for _, red, _ in self._reduces:
             red.wait()

@@ -7,7 +7,7 @@
         model = GPT(cfg)                          # parameters on the meta device
     engine = offload.initialize(model, config)    # materialised unit by unit into shards
 
-The replay and its guarantees are in `offload.materialize`.
+The replay and its guarantees are in `offload.units.materialize`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from offload import materialize as _materialize
+import offload.units.materialize as _materialize
 
 __all__ = ["init"]
 
@@ -26,7 +26,7 @@ __all__ = ["init"]
 class init(contextlib.AbstractContextManager):
     """Context: modules built inside are created on the meta device (torch's own
     `torch.device("meta")` mode; nothing is patched), to be materialised into their shards
-    by the next `offload.initialize` — see `offload.materialize` for what equals a plain
+    by the next `offload.initialize` — see `offload.units.materialize` for what equals a plain
     construction. `init_fn(module)` runs after each module's `reset_parameters()`."""
 
     def __init__(self, config: Any = None, init_fn: Optional[Callable[[nn.Module], None]] = None):

@@ -193,7 +193,7 @@ def _worker(
         raise
     finally:
         if dist.is_initialized():
-            from offload.distributed import settle_collectives
+            from offload.units.collectives import settle_collectives
 
             settle_collectives()  # nothing of ours in flight when the group goes
             try:
@@ -255,7 +255,7 @@ def run_distributed(
 
 def check_torchrun_exit(proc: "subprocess.CompletedProcess", results_complete: bool, what: str) -> None:
     """Assert a torchrun launch succeeded: every rank exited 0 (an abort at interpreter exit
-    is a failure too: [Note: collective tensors at exit] in offload/distributed.py)."""
+    is a failure too: [Note: collective tensors at exit] in offload/units/collectives.py)."""
     assert proc.returncode == 0 and results_complete, (
         f"{what}: exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     )

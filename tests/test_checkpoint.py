@@ -268,7 +268,7 @@ def test_nvme_load_copies_a_checkpoint_on_another_filesystem(tmp_path, swap):
     exactly."""
     import warnings
 
-    from offload.io import probe_direct_io
+    from offload.storage.io import probe_direct_io
     from tests.fsutil import mounted_tmpfs
 
     with mounted_tmpfs("64m") as mnt, warnings.catch_warnings():

@@ -23,7 +23,7 @@ from offload.config import (
     SchedulerConfig,
     load_config,
 )
-from offload.deepspeed_config import translate_deepspeed
+from offload.config.deepspeed import translate_deepspeed
 
 # ZeRO-3 with parameters and optimizer states offloaded to CPU memory (ZeRO-Offload), as in
 # DeepSpeed's ZeRO-3 Offload examples.

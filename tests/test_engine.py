@@ -37,7 +37,7 @@ from torch import nn
 
 import offload
 import offload.engine
-import offload.tiers
+import offload.storage.tiers
 from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig
 from tests.conftest import TinyGPT, check_torchrun_exit, gpt_batches, lm_loss, run_distributed
 from tests.parity import Fp32Bound, TrajectoryBound, plain_loop, trajectory_error
@@ -620,7 +620,7 @@ def test_cuda_matches_plain_adamw(dtype, param_tier):
 
 
 def test_dynamic_loss_scale_hysteresis_and_window():
-    from offload.loss_scaler import LossScaler
+    from offload.runtime.loss_scaler import LossScaler
 
     s = LossScaler.from_precision(PrecisionConfig(dtype="fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2))
     assert s.dynamic and s.scale == 16.0
@@ -644,7 +644,7 @@ def test_dynamic_loss_scale_hysteresis_and_window():
 
 
 def test_loss_scale_floor_static_and_off():
-    from offload.loss_scaler import LossScaler
+    from offload.runtime.loss_scaler import LossScaler
 
     s = LossScaler.from_precision(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1.0))
     for _ in range(3):
@@ -785,7 +785,7 @@ class _Pending:
         self._done()
 
 
-class _FetchOnlyTier(offload.tiers.HostTier):
+class _FetchOnlyTier(offload.storage.tiers.HostTier):
     """Shards that are not addressable (view() is None) and arrive asynchronously: the
     engine must go through fetch/store and wait on their handles, like with NVMe."""
 

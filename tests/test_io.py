@@ -1,4 +1,4 @@
-"""offload.io: the async O_DIRECT engine, aligned buffers and the buffer pool.
+"""offload.storage.io: the async O_DIRECT engine, aligned buffers and the buffer pool.
 
 Everything here touches real files: pytest's tmp_path (ext4 on this machine, O_DIRECT),
 and, where a test needs a filesystem with a property (full, read-only, failing, without
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.io import (
+from offload.storage.io import (
     ALIGNMENT,
     AIOHandle,
     BufferedIOWarning,
@@ -488,7 +488,7 @@ def test_file_too_large_raises_efbig():
     try:
         r = run_python(f"""
             import errno, os, resource, torch
-            from offload.io import AIOHandle, aligned_empty
+            from offload.storage.io import AIOHandle, aligned_empty
             path = {d!r} + "/big"
             with open(path, "wb") as f:
                 f.truncate(4 << 20)  # already 4 MiB: no preallocation, the writes hit the limit
@@ -531,7 +531,7 @@ def test_permission_denied_raises_eacces():
         os.chmod(secret, 0o600)
         r = run_python(f"""
             import errno, os
-            from offload.io import AIOHandle, aligned_empty
+            from offload.storage.io import AIOHandle, aligned_empty
             os.setgid({nobody.pw_gid}); os.setuid({nobody.pw_uid})  # after the imports
             with AIOHandle() as h:
                 for op, path in (("pwrite", {ro!r} + "/f"), ("pread", {secret!r})):
@@ -823,7 +823,7 @@ def test_pool_buffers_feed_the_engine(tmp_path, handle):
 
 _READ_ONLY_SCRIPT = r"""
 import errno, mmap, os, sys, warnings, torch
-from offload.io import AIOHandle
+from offload.storage.io import AIOHandle
 src, ro = sys.argv[1], sys.argv[2]
 m = mmap.mmap(os.open(ro, os.O_RDONLY), 1 << 16, prot=mmap.PROT_READ)
 with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from offload.config import SCHEDULER_PARAMS, SchedulerConfig
-from offload.lr_schedules import (
+from offload.optim.lr_schedules import (
     SCHEDULES,
     WarmupCosineLR,
     WarmupDecayLR,

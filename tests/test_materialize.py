@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload
-import offload.materialize
+import offload.units.materialize
 from tests.conftest import TinyGPT
 
 
@@ -24,7 +24,7 @@ def test_meta_init_yields_each_block_before_initializing_the_next(monkeypatch):
         parts = name.split(".")
         return int(parts[1]) if parts[0] == "blocks" else -1
 
-    real = offload.materialize.materialize_values
+    real = offload.units.materialize.materialize_values
 
     def recording(model, records, slot_of):
         names = {id(r.param): r.name for recs in records for r in recs}
@@ -32,8 +32,8 @@ def test_meta_init_yields_each_block_before_initializing_the_next(monkeypatch):
             events.append(("yield", block_of(names[pid])))
             yield pid, value
 
-    monkeypatch.setattr(offload.materialize, "materialize_values", recording)
-    cfg = offload.Config(precision=offload.config.PrecisionConfig(dtype="bf16"))
+    monkeypatch.setattr(offload.units.materialize, "materialize_values", recording)
+    cfg = offload.Config(precision=offload.config.sections.PrecisionConfig(dtype="bf16"))
     torch.manual_seed(0)
     with offload.init(cfg):
         model = TinyGPT(n_layer=4)

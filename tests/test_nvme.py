@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import offload
-import offload.nvme
+import offload.storage.nvme
 from offload.config import OffloadConfig
-from offload.optim_state import state_layout
+from offload.storage.optim_state import state_layout
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
 from tests.fsutil import mounted_tmpfs
 from tests.test_engine import MODELS, engine_train, fp32_bound, initial_state, lowp_bound, make_config
@@ -134,7 +134,7 @@ def test_every_tier_combination_matches_adamw_world_size_2(tmp_path):
 _VIOLATIONS: list = []
 
 
-class _SlowAIO(offload.nvme.AIOHandle):
+class _SlowAIO(offload.storage.nvme.AIOHandle):
     """Every block waits on its worker before it is issued, so writes stay in flight long
     enough for any read (or write) of the same bytes submitted without waiting for them to
     be caught: each submission is checked against the writes still in flight and an overlap
@@ -166,7 +166,7 @@ class _SlowAIO(offload.nvme.AIOHandle):
 @pytest.fixture
 def slow_io(monkeypatch):
     _VIOLATIONS.clear()
-    monkeypatch.setattr(offload.nvme, "AIOHandle", _SlowAIO)
+    monkeypatch.setattr(offload.storage.nvme, "AIOHandle", _SlowAIO)
     yield
     assert not _VIOLATIONS, f"submitted while a write of the same bytes was in flight: {_VIOLATIONS[:5]}"
 
@@ -181,8 +181,8 @@ def test_results_unchanged_with_io_delays(tmp_path, baselines, request):
 
 
 def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path, slow_io):
-    from offload.nvme import NVMeContext
-    from offload.tiers import NVMeTier
+    from offload.storage.nvme import NVMeContext
+    from offload.storage.tiers import NVMeTier
 
     ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
     ctx.aio.close()
@@ -207,8 +207,8 @@ def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path, slow_io):
 
 
 def test_optimizer_state_read_waits_for_the_write_in_flight(tmp_path, slow_io):
-    from offload.nvme import NVMeContext
-    from offload.optim_state import NVMeOptimizerStates
+    from offload.storage.nvme import NVMeContext
+    from offload.storage.optim_state import NVMeOptimizerStates
 
     ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
     ctx.aio.close()
@@ -428,7 +428,7 @@ def test_swap_files_deleted_or_replaced_mid_step_lose_nothing(tmp_path, baseline
 
 _CRASH_SCRIPT = """
 import os, signal, sys
-from offload.swap import SwapDirectory
+from offload.storage.swap import SwapDirectory
 from tests.conftest import TinyGPT
 from tests.test_nvme import tier_config
 import offload
@@ -478,7 +478,7 @@ def test_restart_after_kill_9_on_a_disk_the_stale_files_fill(tmp_path):
 def test_a_smaller_restart_removes_the_stale_files_of_every_dead_rank(tmp_path):
     """World size 2 crashed, world size 1 restarts: rank 1's files go too (its lock is
     free); the files of a rank whose run is alive stay."""
-    from offload.swap import SwapDirectory
+    from offload.storage.swap import SwapDirectory
 
     live = SwapDirectory(str(tmp_path), 3)  # a live run's rank 3 (this process holds its lock)
     live.create("optim", [4096])
@@ -726,8 +726,8 @@ def test_held_files_read_a_deleted_file_and_close_with_the_last_reference(tmp_pa
     """[Note: held files]: a held file reads through its descriptor (O_DIRECT) after it was
     deleted and after a new file took its name; the last release closes the descriptor
     (on the closer thread), and only then are its blocks freed."""
-    from offload.io import AIOHandle, aligned_empty
-    from offload.nvme import HeldFiles
+    from offload.storage.io import AIOHandle, aligned_empty
+    from offload.storage.nvme import HeldFiles
 
     path = str(tmp_path / "shard.bin")
     data = aligned_empty(1 << 20)

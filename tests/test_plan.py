@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import offload
-import offload.plan as plan_mod
+import offload.plan.planner as plan_mod
 from offload.config import Config, ConfigError, OffloadConfig
-from offload.plan import Machine, make_machine, parse_bytes, parse_count, plan
+from offload.plan.planner import Machine, make_machine, parse_bytes, parse_count, plan
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
 
 GiB, TiB = 1 << 30, 1 << 40
@@ -196,7 +196,7 @@ def test_count_plan_bytes_per_parameter_match_the_design_numbers():
     host = p.estimate("cpu", "cpu").per_rank.host
     assert 18 * n <= host < 18 * n * 1.001
     # Without clipping a CPU run updates each unit during backward and holds no fp32
-    # gradient shard between steps (offload.step.transient_grad_shards): 14 B/param.
+    # gradient shard between steps (offload.optim.sharded.transient_grad_shards): 14 B/param.
     p = plan(n, machine=cpu, dtype="bf16")
     e = p.estimate("cpu", "cpu")
     assert 14 * n <= e.per_rank.host < 14 * n * 1.001

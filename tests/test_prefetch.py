@@ -27,7 +27,7 @@ from torch import nn
 
 import offload
 from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig, TimelineConfig
-from offload.schedule import Schedule
+from offload.runtime.schedule import Schedule
 from tests.conftest import TinyGPT, gpt_batches, lm_loss, run_distributed
 from tests.parity import Fp32Bound, plain_loop
 from tests.test_engine import LR, WD

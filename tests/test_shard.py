@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload.shard import (
+from offload.units.shard import (
     FROZEN_GROUP,
     PARAM_ALIGN_ELEMS,
     SHARD_ALIGN_ELEMS,

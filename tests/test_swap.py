@@ -1,4 +1,4 @@
-"""Swap-file layout, ownership and the checks made at the door (offload/swap.py)."""
+"""Swap-file layout, ownership and the checks made at the door (offload/storage/swap.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from offload.swap import (
+from offload.storage.swap import (
     PAGE_BYTES,
     SWAP_SUBDIR,
     SwapDirectory,
@@ -98,7 +98,7 @@ def test_unwritten_slot_refuses_to_be_read(tmp_path):
 _HOLD = textwrap.dedent(
     """
     import os, sys, time
-    from offload.swap import SwapDirectory
+    from offload.storage.swap import SwapDirectory
     d = SwapDirectory(sys.argv[1], rank=0)
     f = d.create("optim", [8192])
     print("ready", flush=True)
@@ -148,7 +148,7 @@ def test_a_live_run_holding_the_directory_is_an_error(tmp_path):
 def test_local_world_size_counts_the_ranks_that_share_this_node(monkeypatch):
     """The NVMe free-space check counts the ranks of this node (torchrun's
     LOCAL_WORLD_SIZE), not every rank of a multi-node job."""
-    from offload.distributed import ProcessGroupInfo
+    from offload.units.collectives import ProcessGroupInfo
 
     pg = ProcessGroupInfo(rank=9, world_size=16, group=None, backend="gloo", started_here=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

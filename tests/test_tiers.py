@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.tiers import DeviceTier, HostTier, make_param_tier
+from offload.storage.tiers import DeviceTier, HostTier, make_param_tier
 
 
 @pytest.mark.parametrize("make", [lambda: DeviceTier(torch.device("cpu")), lambda: HostTier(pin_memory=True)])
@@ -80,8 +80,8 @@ def test_host_tier_is_pinned_and_copies_to_gpu():
 
 
 def test_nvme_tier_roundtrip_direct_and_staged(tmp_path):
-    from offload.io import aligned_empty
-    from offload.nvme import NVMeContext
+    from offload.storage.io import aligned_empty
+    from offload.storage.nvme import NVMeContext
 
     ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=1 << 16, queue_depth=4, threads=1)
     try:

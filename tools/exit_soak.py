@@ -1,5 +1,5 @@
 """Soak test for a clean exit of 2-rank gloo runs (issue 15, [Note: collective tensors at
-exit] in offload/distributed.py): launch a minimal 2-process training script under torchrun
+exit] in offload/units/collectives.py): launch a minimal 2-process training script under torchrun
 N times, ending with engine.close() and without it, and count the runs that did not exit 0
 (the abort this guards against was SIGABRT, "terminate called without an active exception",
 at interpreter exit). Too slow for the default suite (seconds per launch):

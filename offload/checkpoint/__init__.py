@@ -7,7 +7,7 @@
 | file | holds |
 |---|---|
 | `files.py` | the directory protocol: tags, `latest`, temp dirs, durable renames |
-| `shards.py` | checksummed chunked tensor files over `offload.io` (write and read pipelines) |
+| `shards.py` | checksummed chunked tensor files over `offload.storage.io` (write and read pipelines) |
 | `manifest.py` | the manifest: model signature, files, sizes, checksums; compatibility checks |
 | `save.py` / `load.py` | the engine's state out and back in (re-sharding on load) |
 | `consolidate.py` | full-model safetensors, streamed unit by unit |

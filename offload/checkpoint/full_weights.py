@@ -75,7 +75,7 @@ def engine_units(engine: Any, keep: bool = True) -> Source:
     `ShardedAdam.unit_state` (NVMe: one unit in host memory at a time) and joined by an
     all-gather at world size > 1. Every rank must run it; `keep=False` emits None (the
     rank takes part in the gathers only)."""
-    from offload import distributed as _dist
+    import offload.units.collectives as _dist
 
     def run(emit: Emit) -> None:
         for unit in engine.units:
@@ -96,7 +96,7 @@ def engine_units(engine: Any, keep: bool = True) -> Source:
 def checkpoint_units(path: str, saved: dict[str, Any], window: int = DEFAULT_WINDOW) -> Source:
     """A checkpoint's units: each unit's flat master assembled from every rank file (chunk
     CRCs verified), reads running ahead while the previous unit is emitted."""
-    from offload.io import AIOHandle
+    from offload.storage.io import AIOHandle
 
     units = {u["index"]: u for u in saved["model"]["units"]}
 

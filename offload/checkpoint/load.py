@@ -19,13 +19,13 @@ tensors back (its copy is a no-op: `Tensor.copy_` returns at once when source an
 destination are the same tensor) and only republishes the parameter shard. Before, every
 unit went through two page-aligned buffer sets and then `load_unit_state`'s copy on the
 main thread: measured on the 2-core VM, that copy alone was half of a 0.76 GB load
-(0.20 of 0.41 s). Large live tensors are page-aligned (`offload.step.host_state_zeros`),
+(0.20 of 0.41 s). Large live tensors are page-aligned (`offload.optim.sharded.host_state_zeros`),
 so every whole chunk is read by O_DIRECT straight into them; only a record's last, partial
 chunk (and small tensors, from the CPU allocator) goes through the ring and is copied.
 With the state on NVMe, each unit's chunks land straight in a pooled buffer laid out as its
 swap slot (`ShardedAdam.begin_overwrite`, not read first) and are verified there. Then:
 - same world size, layout and dtypes, on a filesystem with O_DIRECT (the usual resume):
-  the unit is *adopted* ([Note: adopted state] in offload/optim_state.py). Its state stays
+  the unit is *adopted* ([Note: adopted state] in offload/storage/optim_state.py). Its state stays
   in the checkpoint's shard file, which the store holds open and reads until the unit's
   next write. No swap write at all: the load costs one read of the state, not a read and a
   write.
@@ -49,7 +49,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from offload.io import probe_direct_io
+from offload.storage.io import probe_direct_io
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DTYPES,
@@ -182,7 +182,7 @@ def _source_in_place(
     they lie there exactly as in the swap slot (same world size and shard, fp32 master,
     the store's moment dtype) and the file may be read in place (`readable`); else None
     (the load copies the state into the slot). See [Note: adopted state] in
-    offload/optim_state.py."""
+    offload/storage/optim_state.py."""
     store = engine.optimizer.store
     if store.kind != "nvme" or saved["world_size"] != engine.world_size:
         return None

@@ -8,7 +8,7 @@ CRC-32s (`offload.checkpoint.shards`). Loading checks the signature before readi
 byte of state, and checks every file's size before trusting it.
 
 Layout offsets do not depend on the world size (only the tail padding does, see
-`offload.shard.layout_unit`), which is what lets a checkpoint saved with N ranks be
+`offload.units.shard.layout_unit`), which is what lets a checkpoint saved with N ranks be
 loaded with M: the flat unit is the same, only its cut into shards differs.
 """
 
@@ -65,7 +65,7 @@ def model_signature(engine: Any) -> dict[str, Any]:
 
 def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     cfg = engine.config
-    from offload.step import moments_dtype
+    from offload.optim.sharded import moments_dtype
 
     master = torch.float32  # always: see docs/engine.md, Precision
     moments = moments_dtype(cfg.optimizer.moments_dtype)

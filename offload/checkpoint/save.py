@@ -280,8 +280,8 @@ class _UnitStates:
 def _shards_bytes(engine: Any) -> int:
     """The size of this rank's shard file: per unit, the master and the two moments, each
     rounded up to 4 KiB (ShardWriter's layout)."""
-    from offload.io import align_up
-    from offload.step import moments_dtype
+    from offload.storage.io import align_up
+    from offload.optim.sharded import moments_dtype
 
     m_size = torch.empty((), dtype=moments_dtype(engine.config.optimizer.moments_dtype)).element_size()
     total = 0

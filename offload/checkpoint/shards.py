@@ -1,4 +1,4 @@
-"""Shard files: flat tensors written and read in checksummed chunks through `offload.io`.
+"""Shard files: flat tensors written and read in checksummed chunks through `offload.storage.io`.
 
 A shard file is a sequence of tensors, each starting at a 4 KiB-aligned offset and stored
 as chunks of `chunk_bytes` (the last one shorter, padded with zeros to 4 KiB on disk). Each
@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from offload.io import ALIGNMENT, AIOHandle, align_up
+from offload.storage.io import ALIGNMENT, AIOHandle, align_up
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk: large enough that one request keeps the disk's queue full (16 blocks of
@@ -85,7 +85,7 @@ HUGE_PAGE_BYTES = 2 << 20
 
 
 def huge_aligned_empty(nbytes: int) -> torch.Tensor:
-    """`offload.io.aligned_empty(nbytes)` (uint8, advised onto transparent huge pages when
+    """`offload.storage.io.aligned_empty(nbytes)` (uint8, advised onto transparent huge pages when
     large), but starting on a 2 MiB boundary, so every 2 MiB of it can be a huge page.
 
     Why: `aligned_empty` aligns to 4 KiB, so a 16 MiB buffer spans nine 2 MiB ranges, and
@@ -95,7 +95,7 @@ def huge_aligned_empty(nbytes: int) -> torch.Tensor:
     separate `aligned_empty` buffers, 4.5 GB/s into eight 2 MiB-aligned slices of one slab
     (and into one large buffer). Costs up to 2 MiB of address space per call.
     """
-    from offload.io import aligned_empty
+    from offload.storage.io import aligned_empty
 
     # Not pinned: these buffers only meet files (O_DIRECT), never the GPU, and page-locked
     # memory gets no huge pages.
@@ -517,7 +517,7 @@ _NOT_LAST = object()
 
 
 def _verify_and_copy(job: ReadJob, buf: torch.Tensor, req: Any) -> None:
-    from offload.io import ShortReadError
+    from offload.storage.io import ShortReadError
 
     try:
         req.wait()

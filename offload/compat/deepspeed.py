@@ -13,7 +13,7 @@
     engine.save_checkpoint(save_dir)
 
 The config is DeepSpeed's (dict or JSON/YAML path, or `args.deepspeed_config`), translated
-by `offload.deepspeed_config` (docs/config.md: which keys are mapped, reported as ignored, or
+by `offload.config.deepspeed` (docs/config.md: which keys are mapped, reported as ignored, or
 rejected). `initialize` returns DeepSpeed's four values; the engine is a thin
 `DeepSpeedEngine` wrapper that adds DeepSpeed's accessor methods (`train_batch_size()`,
 `gradient_accumulation_steps()`, `local_rank`, `save_16bit_model`, ...) around
@@ -200,7 +200,7 @@ def _raw(config: Any) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
     if isinstance(config, (str, os.PathLike)):
-        from offload.config import _read_file
+        from offload.config.sections import _read_file
 
         return _read_file(config)
     return {}

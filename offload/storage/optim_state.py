@@ -8,7 +8,7 @@ A unit's state on this rank is its fp32 master (the whole shard), and the Adam m
   `state_layout` so that one sequential read and one write move the whole state; the step
   streams units through pooled staging buffers (see [Note: optimizer pipeline]).
 
-Both offer the same two ways in, which `offload.step.ShardedAdam` uses:
+Both offer the same two ways in, which `offload.optim.sharded.ShardedAdam` uses:
 - `open(index, write=False)`: a context yielding the unit's tensors (for checkpoints,
   consolidation, loading); with `write=True` what the caller changed is written back on exit.
 - `stream(indices, scratch_bytes)`: the step's pipeline over units, yielding each unit's
@@ -25,12 +25,12 @@ while unit i-1's state (and its new parameter shard) is written back:
                  -> caller updates unit i -> submit write(i) (tracked, buffer held)
 
 Reads and writes are asynchronous AIO requests; their buffers come from the staging pool
-(`offload.nvme.Staging`). The read of i+1 is submitted only when a buffer is free without
+(`offload.storage.nvme.Staging`). The read of i+1 is submitted only when a buffer is free without
 waiting (else it is submitted next iteration, after the oldest writes have been waited for),
 so the pipeline overlaps as deep as the budget allows: 3 units' working sets give the full
 read / update / write overlap, 1 runs the stages one after another. Writes are not waited for
 at the end of the step: they finish behind the next forward, and anything that reads a slot
-first waits on its last write ([Note: slot ordering] in offload/nvme.py).
+first waits on its last write ([Note: slot ordering] in offload/storage/nvme.py).
 
 [Note: adopted state]
 A checkpoint load at the saving world size, with the same layout and dtypes, finds each
@@ -40,7 +40,7 @@ make every byte cross the disk twice (read, write) for nothing: the unit's next 
 reads its state and writes it back anyway. So the load verifies every chunk's checksum as
 before and then `adopt`s the unit: the store records where its tensors lie in the
 checkpoint file (`StateSource`), holds the file open ([Note: held files] in
-offload/nvme.py), and reads from there instead of the slot. The unit's next write (its
+offload/storage/nvme.py), and reads from there instead of the slot. The unit's next write (its
 first update, a load, `initialize`) goes to the slot as always and drops the source, so
 after one step nothing refers to the checkpoint any more. A load then costs one read of the
 state instead of a read and a write.
@@ -54,8 +54,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.io import align_up
-from offload.nvme import NVMeContext, Pending, settle_writes, wait_quietly
+from offload.storage.io import align_up
+from offload.storage.nvme import NVMeContext, Pending, settle_writes, wait_quietly
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 `ShardedAdam` is a `torch.optim.Optimizer` so that every `torch.optim.lr_scheduler` drives
 it through `param_groups` (lr, betas, eps, weight_decay per group). Its state is not
 torch's per-parameter dict but one `UnitOptimizerState` per unit: flat fp32 tensors
-covering this rank's shard, kept by a store (`offload.optim_state`: host memory, or a swap
+covering this rank's shard, kept by a store (`offload.storage.optim_state`: host memory, or a swap
 file on NVMe streamed through pinned buffers). One step calls `offload.optim.adam_step_flat`
 once per run of elements sharing a group and a step count (usually once per group per unit),
 with the loss-scale/clip factor folded into `grad_scale` and the new low-precision parameters
 written in the same pass (`out_lowp`). The units go through the store's pipeline
-([Note: optimizer pipeline] in offload/optim_state.py): with NVMe, unit i+1's state is read
+([Note: optimizer pipeline] in offload/storage/optim_state.py): with NVMe, unit i+1's state is read
 while unit i is updated and unit i-1's state and parameter shard are written back.
 
 Semantics are torch.optim.AdamW's (or Adam's with L2 when type='Adam'): a parameter that
@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from offload.io import align_up
+from offload.storage.io import align_up
 from offload.optim.functional import adam_step_flat
-from offload.optim_state import HostOptimizerStates, UnitTensors
-from offload.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
-from offload.tiers import Tier, wait
+from offload.storage.optim_state import HostOptimizerStates, UnitTensors
+from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
+from offload.storage.tiers import Tier, wait
 
 _MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -40,11 +40,11 @@ HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
 
 def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D host tensor for a unit's master or moments. Large ones are page-aligned
-    (`offload.io.aligned_empty`, on transparent huge pages from 4 MiB), so a checkpoint's
+    (`offload.storage.io.aligned_empty`, on transparent huge pages from 4 MiB), so a checkpoint's
     O_DIRECT reads land in them and its writes leave from them with no staging copy (the
     CPU allocator aligns to 64 bytes only). Costs one page more than the tensor
     (`host_state_bytes`)."""
-    from offload.io import aligned_empty
+    from offload.storage.io import aligned_empty
 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < HOST_STATE_ALIGN_MIN_BYTES:
@@ -54,7 +54,7 @@ def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_state_bytes(nbytes: int) -> int:
     """Host bytes `host_state_zeros` holds for a tensor of `nbytes` (for the planner)."""
-    from offload.io import ALIGNMENT
+    from offload.storage.io import ALIGNMENT
 
     return nbytes if nbytes < HOST_STATE_ALIGN_MIN_BYTES else nbytes + ALIGNMENT
 
@@ -137,7 +137,7 @@ class ShardedAdam(torch.optim.Optimizer):
         super().__init__(param_groups, defaults)
         self.unit_states = states
         self.store = store if store is not None else HostOptimizerStates(states)
-        """Where master and moments live (`offload.optim_state`): 'host' or 'nvme'."""
+        """Where master and moments live (`offload.storage.optim_state`): 'host' or 'nvme'."""
         self.decoupled_weight_decay = decoupled_weight_decay
         self.rank = rank
         self.param_tier = param_tier
@@ -352,7 +352,7 @@ class ShardedAdam(torch.optim.Optimizer):
         new master, the state written to the swap file (asynchronously) — or, with
         `adopt_from` (a file and where each tensor starts in it: the bytes `t` was read
         from), left there and read from it until the unit's next write
-        ([Note: adopted state] in offload/optim_state.py)."""
+        ([Note: adopted state] in offload/storage/optim_state.py)."""
         st = self._state_of(index)
         if len(slot_steps) != len(st.slot_steps):
             self.store.abandon(st.unit.index, t)

@@ -26,8 +26,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from offload import distributed as _dist
-from offload.tiers import Tier, wait
+import offload.units.collectives as _dist
+from offload.storage.tiers import Tier, wait
 
 PARAM_ALIGN_ELEMS = 16
 """Each parameter starts at a multiple of 16 elements: 64-byte (cache line / AVX-512)
@@ -250,7 +250,7 @@ class FlatUnit:
 
     def alloc_full(self) -> None:
         """Give the full buffer its bytes (a prefetch fills this rank's slot before the
-        gather; see offload/schedule.py)."""
+        gather; see offload/runtime/schedule.py)."""
         _alloc_storage(self.full)
 
     def gather(self, local: Optional[torch.Tensor] = None, filled: bool = False) -> None:

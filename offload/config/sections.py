@@ -5,7 +5,7 @@ Downstream code receives these frozen dataclasses, never dicts. Three ways in, o
 - `Config(...)` / `Config.from_dict(d)` / `Config.from_file(path)`: offload's own format, the
   dataclass field names nested by section (`{"offload": {"param_tier": "nvme", ...}}`).
 - `Config.from_deepspeed(d_or_path)`: a DeepSpeed config, translated in one place
-  (`offload.deepspeed_config.translate_deepspeed`): every key is either mapped, reported by
+  (`offload.config.deepspeed.translate_deepspeed`): every key is either mapped, reported by
   name as accepted but not honoured (one `DeepSpeedConfigWarning`, and
   `Config.ignored_keys`), or an error that names it and says what to do.
 - `load_config(obj)`: what `offload.initialize` calls; takes any of the above and tells the
@@ -261,7 +261,7 @@ class _Section:
         where = f"under {prefix!r}" if prefix else "at the top level"
         hint = _suggest(key, names)
         if not prefix and not hint:
-            from offload.deepspeed_config import DS_ONLY_TOP_KEYS
+            from offload.config.deepspeed import DS_ONLY_TOP_KEYS
 
             # A misspelt DeepSpeed key is not recognised as DeepSpeed, so it lands here.
             hint = _suggest(key, DS_ONLY_TOP_KEYS, ", a DeepSpeed key")
@@ -336,7 +336,7 @@ SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
                        "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
 }
 """Each schedule's parameters and DeepSpeed's defaults (`...` = required). Kept equal to the
-constructors in offload/lr_schedules.py (a test compares them); here so that a config is
+constructors in offload/optim/lr_schedules.py (a test compares them); here so that a config is
 checked without importing torch."""
 
 
@@ -345,7 +345,7 @@ class SchedulerConfig(_Section):
     _SECTION: ClassVar[str] = "scheduler"
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-    """DeepSpeed's schedule name; offload/lr_schedules.py has the formulas."""
+    """DeepSpeed's schedule name; offload/optim/lr_schedules.py has the formulas."""
     params: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed's parameter names for the chosen schedule (warmup_num_steps, ...)."""
 
@@ -446,7 +446,7 @@ class OffloadConfig(_Section):
     """Upper bound on pinned host staging buffers for the NVMe tier, in bytes."""
     placement: Literal["manual", "auto"] = "manual"
     """manual = use param_tier and optimizer_tier as given; auto = `initialize` runs the
-    memory planner (offload.plan) on this machine and picks the fastest placement that fits
+    memory planner (offload.plan.planner) on this machine and picks the fastest placement that fits
     (an nvme one only when nvme_path is set), logging its choice."""
 
     def _check(self) -> None:
@@ -597,7 +597,7 @@ class Config(_Section):
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
         """offload's own format: field names, one nested mapping per section."""
         if isinstance(data, Mapping):
-            from offload.deepspeed_config import DS_ONLY_TOP_KEYS
+            from offload.config.deepspeed import DS_ONLY_TOP_KEYS
 
             ds_keys = [k for k in data if k in DS_ONLY_TOP_KEYS]
             if ds_keys:
@@ -616,8 +616,8 @@ class Config(_Section):
     def from_deepspeed(cls, ds_config: Union[Mapping[str, Any], str, os.PathLike], *,
                        world_size: Optional[int] = None) -> "Config":
         """A DeepSpeed config (dict or JSON/YAML path), translated by
-        `offload.deepspeed_config.translate_deepspeed`."""
-        from offload.deepspeed_config import translate_deepspeed
+        `offload.config.deepspeed.translate_deepspeed`."""
+        from offload.config.deepspeed import translate_deepspeed
 
         if isinstance(ds_config, (str, os.PathLike)):
             ds_config = _read_file(ds_config)
@@ -731,7 +731,7 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
     params, ...) is taken as offload's. Every config DeepSpeed can run with ZeRO-3 has
     zero_optimization, so a real DeepSpeed config is never misread.
     """
-    from offload.deepspeed_config import DS_ONLY_TOP_KEYS
+    from offload.config.deepspeed import DS_ONLY_TOP_KEYS
 
     ds_keys = [k for k in data if k in DS_ONLY_TOP_KEYS]
     # Both formats write scheduler as {type, params}; only DeepSpeed nests optimizer params.
@@ -747,7 +747,7 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
 
 def _from_any_mapping(data: Mapping[str, Any], *, world_size: Optional[int]) -> Config:
     if _is_deepspeed(data):
-        from offload.deepspeed_config import translate_deepspeed
+        from offload.config.deepspeed import translate_deepspeed
 
         return translate_deepspeed(data, world_size=world_size)
     return Config.from_dict(data)

@@ -1,6 +1,6 @@
 """Host memory and files: asynchronous O_DIRECT reads and writes, and aligned (pinned) buffers.
 
-    from offload.io import AIOHandle, aligned_empty
+    from offload.storage.io import AIOHandle, aligned_empty
     h = AIOHandle(block_size=1 << 20, queue_depth=32, threads=2)
     buf = aligned_empty(nbytes, dtype=torch.uint8)   # page-aligned, pinned when CUDA is up
     h.pwrite(buf, path, offset=0).wait()              # any size, any offset
@@ -446,7 +446,7 @@ class AIOHandle:
         return self._submit(True, buf, path, offset, name)
 
     def wait_all(self, requests: Iterable[IORequest], timeout: Optional[float] = None) -> None:
-        """See ``offload.io.wait_all``."""
+        """See ``offload.storage.io.wait_all``."""
         wait_all(requests, timeout)
 
     def direct_io(self, path: PathLike) -> bool:

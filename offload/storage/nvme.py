@@ -1,8 +1,8 @@
 """What the two NVMe tiers share: the swap directory, one AIO handle, one pinned staging pool,
 and the writes in flight.
 
-The parameter tier (`offload.tiers.NVMeTier`) and the optimizer-state store
-(`offload.optim_state.NVMeOptimizerStates`) each own one swap file in the rank's
+The parameter tier (`offload.storage.tiers.NVMeTier`) and the optimizer-state store
+(`offload.storage.optim_state.NVMeOptimizerStates`) each own one swap file in the rank's
 `SwapDirectory`; both move bytes with the same `AIOHandle` and stage them through the same
 `Staging` pool, so `offload.pinned_budget_bytes` bounds their pinned memory together.
 
@@ -26,7 +26,7 @@ which holds nothing else when it needs a unit's buffer, always gets one.
 [Note: held files]
 A checkpoint load may leave a unit's optimizer state where it is, in the checkpoint's shard
 file, instead of copying it into the swap slot (see [Note: adopted state] in
-offload/optim_state.py). The store then reads that file until the unit's next write. The
+offload/storage/optim_state.py). The store then reads that file until the unit's next write. The
 file is held open (`HeldFiles`) from the load, and read through `/proc/self/fd/N`, which
 opens the held inode again with the I/O engine's own flags (O_DIRECT): a checkpoint deleted,
 rotated away or replaced by a new save of the same tag after the load still reads the bytes
@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from offload.io import AIOHandle, BufferPool
-from offload.swap import SwapDirectory
+from offload.storage.io import AIOHandle, BufferPool
+from offload.storage.swap import SwapDirectory
 
 __all__ = ["Pending", "Staging", "NVMeContext", "IOStats", "HeldFiles"]
 

@@ -10,8 +10,8 @@ One small interface, so the engine never asks which tier it talks to:
 - `free(key)` releases it; `bytes_allocated()` is what the tier holds right now.
 
 Keys are small hashables chosen by the caller (the engine uses `(unit_index, "param")`).
-`NVMeTier` implements the same methods over `offload.io`'s AIOHandle and the pinned staging
-pool (`offload.nvme.Staging`); its `fetch`/`store` are asynchronous and return a handle, which
+`NVMeTier` implements the same methods over `offload.storage.io`'s AIOHandle and the pinned staging
+pool (`offload.storage.nvme.Staging`); its `fetch`/`store` are asynchronous and return a handle, which
 is why callers treat every return value as "something to wait on" (`wait(handle)`).
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
-from offload.io import ALIGNMENT
-from offload.nvme import NVMeContext, Pending, settle_writes, wait_quietly
+from offload.storage.io import ALIGNMENT
+from offload.storage.nvme import NVMeContext, Pending, settle_writes, wait_quietly
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -160,7 +160,7 @@ class NVMeTier(Tier):
     `view()` is None: bytes are reached only through `fetch` (read into the caller's buffer,
     directly when it is page-aligned host memory, else through a staging buffer and a copy)
     and `store` (written from the caller's buffer when page-aligned host memory, else from a
-    staging copy). Both return a `Pending`; see [Note: slot ordering] in offload/nvme.py for
+    staging copy). Both return a `Pending`; see [Note: slot ordering] in offload/storage/nvme.py for
     why a fetch never sees a shard whose write is still in flight.
 
     A `store` written directly from the caller's buffer reads that buffer until the handle
@@ -255,7 +255,7 @@ class NVMeTier(Tier):
 
     def read_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
         """Submit the read of shard `key` into a pooled staging buffer and return at once
-        (the prefetch scheduler's NVMe stage, offload/schedule.py). With `block=False` it
+        (the prefetch scheduler's NVMe stage, offload/runtime/schedule.py). With `block=False` it
         never waits: None when the pool has no free buffer now (the caller fetches on demand
         later). The caller waits on `.pending`, reads `.local`, then `.release()`s."""
         i = self._slot(key)
@@ -379,9 +379,16 @@ class ReadAhead:
         self.local = local
         self._release = release
 
+    label = "read"
+
     def done(self) -> bool:
         """Whether the read has landed (never blocks)."""
         return self.pending.done()
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the read; the shard, in the pooled buffer (host memory, the tier's dtype)."""
+        self.pending.wait()
+        return self.local
 
     def release(self) -> None:
         if self._release is not None:

@@ -12,9 +12,9 @@ fastest placement that fits.
 
 [Note: the figures are the engine's]
 Nothing here is a separate guess of "bytes per parameter". The units come from the engine's
-wrap policy (`offload.units.plan_units`), the groups from `offload.step.resolve_param_groups`,
-the flat layout (alignment, padding to the world size) from `offload.shard.layout_unit`, the
-dtypes from the config (`offload.step.moments_dtype`), and `_rank_bytes` applies the engine's
+wrap policy (`offload.units.partition.plan_units`), the groups from `offload.optim.sharded.resolve_param_groups`,
+the flat layout (alignment, padding to the world size) from `offload.units.shard.layout_unit`, the
+dtypes from the config (`offload.optim.sharded.moments_dtype`), and `_rank_bytes` applies the engine's
 allocation rules unit by unit (which buffers exist, which are aliased, which tier each lands
 in). tests/test_plan.py pins the result to `Engine.memory_bytes()` after a training step.
 A bare parameter count is laid out as equal units through the same functions.
@@ -42,14 +42,14 @@ import torch
 from torch import nn
 
 from offload.config import Config, load_config
-from offload.shard import FROZEN_GROUP, UnitLayout, align_up, layout_unit
-from offload.step import (
+from offload.units.shard import FROZEN_GROUP, UnitLayout, align_up, layout_unit
+from offload.optim.sharded import (
     host_state_bytes,
     moments_dtype,
     resolve_param_groups,
     transient_grad_shards,
 )
-from offload.units import plan_units
+from offload.units.partition import plan_units
 
 __all__ = ["Machine", "TierBytes", "PlacementEstimate", "Plan", "plan", "resolve_placement",
            "machine_from_system", "PLACEMENTS", "parse_bytes", "parse_count"]
@@ -58,7 +58,7 @@ logger = logging.getLogger("offload")
 
 _KiB, _MiB, _GiB, _TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _NVME_ALIGN_BYTES = 4 * _KiB
-"""Swap-file offsets and sizes are O_DIRECT-aligned (offload.io); each tensor of a unit's
+"""Swap-file offsets and sizes are O_DIRECT-aligned (offload.storage.io); each tensor of a unit's
 state is rounded up to it on NVMe."""
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -376,13 +376,13 @@ def _rank_bytes(spec: _ModelSpec, rank: int, param_tier: str, optimizer_tier: st
                 transient_grads: bool = False) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
-    The engine's rules, unit by unit (offload/engine.py `_build_units`, offload/step.py):
+    The engine's rules, unit by unit (offload/engine.py `_build_units`, offload/optim/sharded.py):
     - fp32 master: the whole shard; fp32 gradient shard: the whole shard if any parameter
       of the unit is trainable; exp_avg and exp_avg_sq: the shard's optimized prefix, in
       the moments dtype. Host memory, or (optimizer on NVMe) master and moments in the
       swap file, each 4 KiB-aligned, while the gradient shard stays in host memory (it is
       the reduce-scatter's target, accumulated over micro-batches) — except when the
-      shards are transient (`offload.step.transient_grad_shards`: every update runs during
+      shards are transient (`offload.optim.sharded.transient_grad_shards`: every update runs during
       backward on a CPU run): then none is held between steps (one unit's during
       backward, counted in the working set).
     - the parameter shard (compute dtype) in its tier; with fp32 compute and the shard in
@@ -680,7 +680,7 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: Any,
     `MemoryError` with the figures when nothing fits."""
     machine = machine_from_system(config, device, pg.world_size)
     if pg.world_size > 1:
-        from offload import distributed as _dist
+        import offload.units.collectives as _dist
 
         values = [machine.gpu_mem_bytes or 0, machine.cpu_mem_bytes,
                   -1 if machine.nvme_free_bytes is None else machine.nvme_free_bytes]

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Optional
 
-from offload.config import (
+from offload.config.sections import (
     SCHEDULER_PARAMS,
     AIOConfig,
     Config,

@@ -30,9 +30,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
-# One alignment rule for the whole project: offload.io's (O_DIRECT's 4 KiB).
-from offload.io import ALIGNMENT as PAGE_BYTES
-from offload.io import align_up
+# One alignment rule for the whole project: offload.storage.io's (O_DIRECT's 4 KiB).
+from offload.storage.io import ALIGNMENT as PAGE_BYTES
+from offload.storage.io import align_up
 
 logger = logging.getLogger(__name__)
 
