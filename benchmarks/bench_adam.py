@@ -45,6 +45,7 @@ from benchmarks._common import (
 )
 from offload._native import C
 from offload.optim import adam_isa, adam_step_flat
+from offload.sizes import format_bytes
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -183,8 +184,8 @@ def main() -> None:
         n = int(size_m * 1e6)
         avail = _mem_available_bytes()
         if avail is not None and Buffers.bytes_needed(n) > 0.8 * avail:
-            print(f"  [{size_m:g}M params] skipped: needs {Buffers.bytes_needed(n) / 2**30:.1f} GiB, "
-                  f"{avail / 2**30:.1f} GiB available")
+            print(f"  [{size_m:g}M params] skipped: needs {format_bytes(Buffers.bytes_needed(n))}, "
+                  f"{format_bytes(avail)} available")
             continue
         buf = Buffers(n)
         for threads in threads_list:

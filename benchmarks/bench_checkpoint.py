@@ -214,7 +214,7 @@ def contenders(engine, nbytes: int, work: str) -> dict[str, Callable[[], float]]
         "offload save": settled(offload_save, remove_saved),
         "torch.save": settled(torch_save, remove(tfile)),
     }
-    if engine.optimizer.store.kind == "nvme":
+    if not engine.optimizer.store.resident:
         out["disk copy"] = settled(disk_copy, remove(copy))
     out.update({
         "disk read": settled(disk_read), "offload load": settled(offload_load),

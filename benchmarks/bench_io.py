@@ -48,20 +48,23 @@ from benchmarks._common import (
     ratio,
     write_json,
 )
-from offload.storage.io import ALIGNMENT, AIOHandle, aligned_empty
+from offload.sizes import ALIGNMENT, parse_bytes
+from offload.storage.io import AIOHandle, aligned_empty
 
 GB = 1e9
 
 
 def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * mult)
-    return int(text)
+    """--size / --block-sizes in fio's notation, as the labels below write them: a bare K/M/G/T
+    is binary (fio's default kb_base=1024), so '1M' is 1 MiB; anything else ('4GiB', '1e9',
+    '500MB') as offload.sizes.parse_bytes reads it."""
+    text = text.strip()
+    return parse_bytes(text + "iB" if text[-1:].upper() in ("K", "M", "G", "T") else text)
 
 
 def size_label(n: int) -> str:
+    """A compact block-size label in fio's notation ('1M' = 1 MiB), for the table and the
+    plot's axis (benchmarks/_report.py reads it back)."""
     for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n % mult == 0:
             return f"{n // mult}{suffix}"
@@ -169,8 +172,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--dir", help="directory for the test file (default: a temp dir in /tmp, "
                    "which is on the root filesystem here, not tmpfs)")
-    p.add_argument("--size", default=None, help="file size (default 4G; --quick 512M)")
-    p.add_argument("--block-sizes", default=None, help="comma list (default 1M,4M; --quick 1M)")
+    p.add_argument("--size", default=None,
+                   help="file size; K/M/G are binary, as in fio (default 4G; --quick 512M)")
+    p.add_argument("--block-sizes", default=None,
+                   help="comma list; K/M/G are binary, as in fio (default 1M,4M; --quick 1M)")
     p.add_argument("--queue-depths", default=None, help="per thread (default 32; --quick 32)")
     p.add_argument("--threads", default=None, help="comma list (default 1,2; --quick 2)")
     p.add_argument("--no-fio", action="store_true")

@@ -50,8 +50,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     base_parser,
@@ -62,47 +60,9 @@ from benchmarks._common import (  # noqa: E402
     ratio,
     write_json,
 )
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-        with torch.no_grad():
-            self.wte.weight.normal_(std=0.02)
-            self.wpe.weight.normal_(std=0.02)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+# The model the tests and examples train too (offload/models/gpt.py), with GPT-2's qkv bias.
+from offload.models.gpt import GPT, gpt_batches  # noqa: E402
+from offload.sizes import MiB  # noqa: E402
 
 
 def _bytes(tensors) -> int:
@@ -117,8 +77,8 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _mb(n) -> float | None:
-    return None if n is None else n / 2**20
+def _mib(n) -> float | None:
+    return None if n is None else n / MiB
 
 
 def _sync(device: torch.device) -> None:
@@ -389,12 +349,10 @@ def main() -> None:
 
     def make_model() -> GPT:
         torch.manual_seed(0)
-        return GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+        return GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq, qkv_bias=True)
 
     n_params = sum(p.numel() for p in make_model().parameters())
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    batch = gpt_batches(1, args.batch, args.seq, args.vocab, seed=0)[0]
     tokens = args.batch * args.seq
     print(
         f"model: GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
@@ -423,11 +381,11 @@ def main() -> None:
             "contender": name,
             "step_ms": t * 1e3,
             "tokens_per_s": tokens / t,
-            "device_MB": _mb(mem.get("device", 0)),
-            "host_MB": _mb(mem.get("host", 0)),
-            "pinned_MB": _mb(mem.get("pinned", 0)),
-            "nvme_MB": _mb(mem.get("nvme", 0)),
-            "io_MB_per_step": None,
+            "device_MiB": _mib(mem.get("device", 0)),
+            "host_MiB": _mib(mem.get("host", 0)),
+            "pinned_MiB": _mib(mem.get("pinned", 0)),
+            "nvme_MiB": _mib(mem.get("nvme", 0)),
+            "io_MiB_per_step": None,
             "io_wait_ms": None,
             "disk_GBps": None,
             "stall_ms": None,
@@ -438,7 +396,7 @@ def main() -> None:
         if name in io and io[name]["per_step"]:
             moved = statistics.median(m for m, _ in io[name]["per_step"])
             wait = statistics.median(w for _, w in io[name]["per_step"])
-            row.update(io_MB_per_step=moved / 2**20, io_wait_ms=wait * 1e3, disk_GBps=moved / t / 1e9)
+            row.update(io_MiB_per_step=_mib(moved), io_wait_ms=wait * 1e3, disk_GBps=moved / t / 1e9)
         if sched.get(name):
             st = [s for s in sched[name] if s is not None]
             stall = statistics.median(s["stall_s"] for s in st)

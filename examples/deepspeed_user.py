@@ -68,7 +68,7 @@ def main(argv=None):
     args = get_args(argv)
     deepspeed.init_distributed()
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq)
+    model = GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq, qkv_bias=True)
     model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
         args=args,
         model=model,

@@ -39,9 +39,9 @@ read -r HOST_NEED NVME_NEED < <(cd "$HERE" && "$PY" -c '
 import sys, torch, train_gpt
 from offload.plan import plan, make_machine
 size, seq, pinned, moments, nvme, clip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
-layers, d, heads = train_gpt.SIZES[size]
+layers, d, heads = train_gpt.GPT_PRESETS[size]
 with torch.device("meta"):
-    m = train_gpt.GPT(8192, d, layers, heads, seq)
+    m = train_gpt.GPT(8192, d, layers, heads, seq, qkv_bias=True)
 cfg = {"precision": {"dtype": "bf16"}, "optimizer": {"moments_dtype": moments}, "gradient_clipping": clip,
        "offload": {"param_tier": "nvme", "optimizer_tier": "nvme", "nvme_path": nvme,
                    "pinned_budget_bytes": pinned}}

@@ -38,8 +38,11 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_gpt's model
-from train_gpt import GPT, SIZES, parse_bytes  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_gpt's helpers
+import train_gpt  # noqa: E402,F401  (it puts a checkout's offload on sys.path)
+
+from offload.models.gpt import GPT, GPT_PRESETS  # noqa: E402  (train_gpt.py's model)
+from offload.sizes import GiB, format_bytes, parse_bytes  # noqa: E402  (GB = 10**9, GiB = 2**30)
 
 EXIT_OOM = 3
 
@@ -61,25 +64,22 @@ def _meminfo_bytes(field: str) -> int:
     return _proc_bytes("/proc/meminfo", field)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def address_space_limit(spec: str) -> tuple[int, str]:
     """(bytes, how it was chosen) for --mem-limit."""
     if spec == "auto":
         total, avail = _meminfo_bytes("MemTotal"), _meminfo_bytes("MemAvailable")
-        limit = min(total, avail - (3 << 30))
-        return limit, (f"auto: min(MemTotal {_gib(total)}, MemAvailable {_gib(avail)} - 3 GiB)")
+        limit = min(total, avail - 3 * GiB)
+        return limit, (f"auto: min(MemTotal {format_bytes(total)}, MemAvailable "
+                       f"{format_bytes(avail)} - 3 GiB)")
     if spec.startswith("+"):
         mapped = _status_bytes("VmSize")
-        return mapped + parse_bytes(spec[1:]), f"{_gib(mapped)} mapped + {spec[1:]}"
+        return mapped + parse_bytes(spec[1:]), f"{format_bytes(mapped)} mapped + {spec[1:]}"
     return parse_bytes(spec), spec
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default=None, help="train_gpt.py's presets")
+    p.add_argument("--size", choices=sorted(GPT_PRESETS), default=None, help="train_gpt.py's presets")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-limit", default="auto", help="address-space limit: auto, SIZE or +SIZE")
     p.add_argument("--json", default=None, help="also write the outcome as JSON")
     args = p.parse_args(argv)
-    preset = SIZES[args.size] if args.size else (4, 256, 4)
+    preset = GPT_PRESETS[args.size] if args.size else (4, 256, 4)
     for name, value in zip(("layers", "d_model", "heads"), preset):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     # cannot get its stack is an abort, not an exception) and imports what torch imports
     # lazily (AdamW pulls in torch._dynamo: ~100 MB of address space), so that what fails
     # under the limit is the training state and nothing else.
-    warm = GPT(64, 16, 1, 2, 8, fp32_matmul=True)
+    warm = GPT(64, 16, 1, 2, 8, qkv_bias=True, fp32_matmul=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         warm_loss = warm(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     warm_loss.backward()
@@ -127,7 +127,8 @@ def main(argv=None) -> int:
           f"{args.d_model}, vocab {args.vocab}); fp32 weights, "
           f"{'bf16 autocast' if args.precision == 'bf16' else 'fp32'}, torch.optim.AdamW; training "
           f"state 16 B/param = {16 * n_est / 1e9:.1f} GB; machine RAM "
-          f"{_gib(_meminfo_bytes('MemTotal'))}; address-space limit {_gib(limit)} ({how})", flush=True)
+          f"{format_bytes(_meminfo_bytes('MemTotal'))}; address-space limit {format_bytes(limit)} "
+          f"({how})", flush=True)
 
     outcome = {"params": None, "stage": None, "completed": [], "error": None, "limit_bytes": limit}
     t0 = time.perf_counter()
@@ -137,17 +138,18 @@ def main(argv=None) -> int:
         outcome["stage"] = name
         fn()
         outcome["completed"].append(name)
-        print(f"  {name}: ok ({time.perf_counter() - t0:.1f} s, peak RSS {_gib(_status_bytes('VmHWM'))})",
-              flush=True)
+        print(f"  {name}: ok ({time.perf_counter() - t0:.1f} s, peak RSS "
+              f"{format_bytes(_status_bytes('VmHWM'))})", flush=True)
 
     def build() -> None:
         torch.manual_seed(0)
         # fp32_matmul: the bf16 products run as fp32 GEMMs, as in train_gpt.py ([Note: CPU
         # bf16 matmuls]): the same arithmetic speed, so the two runs differ only in memory.
-        state["model"] = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq, fp32_matmul=True)
+        state["model"] = GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq, qkv_bias=True,
+                             fp32_matmul=True)
         outcome["params"] = sum(p.numel() for p in state["model"].parameters())
         print(f"  model: {outcome['params'] / 1e9:.3f}B parameters, "
-              f"{_gib(4 * outcome['params'])} of fp32 weights", flush=True)
+              f"{format_bytes(4 * outcome['params'])} of fp32 weights", flush=True)
 
     def optimizer() -> None:
         # foreach=False: no extra temporaries beyond the state itself (the fair best case).
@@ -181,11 +183,12 @@ def main(argv=None) -> int:
         print(f"OUT OF MEMORY at stage '{outcome['stage']}' after {time.perf_counter() - t0:.1f} s "
               f"(completed: {', '.join(outcome['completed']) or 'nothing'}):", flush=True)
         print(f"  {outcome['error']}", flush=True)
-        print(f"peak RSS {_gib(_status_bytes('VmHWM'))}, address-space limit {_gib(limit)}", flush=True)
+        print(f"peak RSS {format_bytes(_status_bytes('VmHWM'))}, address-space limit "
+              f"{format_bytes(limit)}", flush=True)
         _write(args.json, outcome)
         return EXIT_OOM
-    print(f"trained {args.steps} steps in plain PyTorch within {_gib(limit)}: the model fits "
-          f"(peak RSS {_gib(_status_bytes('VmHWM'))})", flush=True)
+    print(f"trained {args.steps} steps in plain PyTorch within {format_bytes(limit)}: the model fits "
+          f"(peak RSS {format_bytes(_status_bytes('VmHWM'))})", flush=True)
     _write(args.json, outcome)
     return 0
 

@@ -37,7 +37,6 @@ import time
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 try:  # run from a checkout without installing: the repository root holds `offload`
@@ -45,123 +44,10 @@ try:  # run from a checkout without installing: the repository root holds `offlo
 except ImportError:  # pragma: no cover - depends on how the example is launched
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import offload
-
-
-# -- the model ------------------------------------------------------------------------------
-
-
-class _Fp32Matmul(torch.autograd.Function):
-    """y = x @ w.T + b for low-precision x, w, b, with the products computed in fp32.
-
-    [Note: CPU bf16 matmuls] Without AMX / AVX512-BF16, torch's bf16 GEMMs on the CPU fall
-    back to slow kernels, and how slow depends on the layout: on this 2-core AVX2 EPYC, for
-    x (32 x 3072) and w (12288 x 3072), the forward x @ w.T takes 0.46 s in bf16 vs 0.20 s in
-    fp32, and the backward's dy @ w 17 s vs 0.13 s. Upcasting the operands of each product
-    (a transient fp32 copy of one weight, at most 4 x d_model^2 x 4 bytes) keeps bf16 training
-    at fp32 speed. Only the low-precision x and w are saved for backward (as F.linear saves
-    them), so no fp32 copy outlives its product; parameters, gradients and everything the
-    engine stores stay in the compute dtype."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                out_dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        with torch.autocast("cpu", enabled=False):  # under autocast: the product stays fp32
-            y = F.linear(x.float(), w.float(), None if b is None else b.float())
-        return y.to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dx = dw = db = None
-        with torch.autocast("cpu", enabled=False):
-            dy32 = dy.float()
-            if ctx.needs_input_grad[0]:
-                dx = (dy32 @ w.float()).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = (dy32.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(w.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy32.reshape(-1, dy.shape[-1]).sum(0).to(w.dtype)
-        return dx, dw, db, None
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose product runs in fp32 when `fp32_matmul` is set and the layer computes
-    in bf16/fp16 on the CPU — low-precision input, or under `torch.autocast("cpu")` (plain
-    PyTorch mixed precision) — see [Note: CPU bf16 matmuls]; otherwise exactly nn.Linear.
-    The output has the dtype nn.Linear would give (the input's, or autocast's)."""
-
-    fp32_matmul = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_matmul and x.device.type == "cpu":
-            if torch.is_autocast_enabled("cpu"):
-                return _Fp32Matmul.apply(x, self.weight, self.bias, torch.get_autocast_dtype("cpu"))
-            if x.dtype in (torch.bfloat16, torch.float16):
-                return _Fp32Matmul.apply(x, self.weight, self.bias, x.dtype)
-        return super().forward(x)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention + GELU MLP."""
-
-    def __init__(self, d_model: int, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = Linear(d_model, 3 * d_model)
-        self.proj = Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc = Linear(d_model, 4 * d_model)
-        self.out = Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class Embedding(nn.Embedding):
-    """GPT-2's initialisation (normal, std 0.02) as reset_parameters, so offload.init
-    replays it when the model is built on the meta device."""
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
-
-class GPT(nn.Module):
-    """Token + position embeddings, `n_layer` blocks (each one offload unit), final norm,
-    LM head tied to the token embedding. forward(idx, targets) -> mean cross-entropy."""
-
-    def __init__(self, vocab: int, d_model: int, n_layer: int, n_head: int, seq: int,
-                 checkpoint_activations: bool = False, fp32_matmul: bool = False) -> None:
-        super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"--d-model {d_model} must be a multiple of --heads {n_head}")
-        self.wte = Embedding(vocab, d_model)
-        self.wpe = Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = Linear(d_model, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-        self.checkpoint_activations = checkpoint_activations
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.fp32_matmul = fp32_matmul
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            if self.checkpoint_activations and self.training:
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+# The model is offload's own GPT (offload/models/gpt.py), the one the tests and benchmarks
+# train; this script turns on GPT-2's qkv bias and, from flags, checkpointing and fp32 matmuls.
+from offload.models.gpt import GPT, GPT_PRESETS
+from offload.sizes import GiB, format_bytes, parse_bytes
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -207,29 +93,7 @@ def lr_lambda(args: argparse.Namespace):
 
 
 # -- sizes and memory -------------------------------------------------------------------------
-
-# --size presets: (layers, d_model, heads). Parameters ~ 12 x layers x d_model^2 + (vocab +
-# seq) x d_model; at the default vocab 8192 these land on their names. "4b" is deep and
-# thin on purpose: a unit (one block) holds 79M parameters, so with both tiers on NVMe one
-# unit's working set in the staging pool (fp32 master + 2 moments + bf16 shard, 14 B/param)
-# is 1.1 GB, and a 2.2 GB pool overlaps one unit's reads with the previous one's writes.
-SIZES = {
-    "tiny": (2, 64, 2),
-    "125m": (12, 768, 12),
-    "500m": (18, 1536, 12),
-    "1b": (20, 2048, 16),
-    "4b": (52, 2560, 20),
-    "7b": (32, 4096, 32),
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'20GiB', '1.5G', '512MiB', '1e9' -> bytes (binary units for K/M/G/T, with or without 'iB')."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    for suffix, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if t.endswith(suffix):
-            return int(float(t[:-1]) * mult)
-    return int(float(t))
+# Sizes on the command line are read by offload.sizes.parse_bytes: GB = 10**9 bytes, GiB = 2**30.
 
 
 def peak_rss_bytes() -> int:
@@ -248,8 +112,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _size(n: float) -> str:
+    """offload.sizes.format_bytes, with two decimals from 1 GiB up (0.01 GiB is 10 MiB, the
+    precision a memory figure needs) and one below."""
+    return format_bytes(n, digits=2 if n >= GiB else 1)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -258,9 +124,9 @@ def _gib(n: float) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--size", choices=sorted(SIZES), default=None,
-                   help="a preset for --layers/--d-model/--heads: " +
-                        ", ".join(f"{k} = {v[0]} x {v[1]} ({v[2]} heads)" for k, v in SIZES.items()))
+    m.add_argument("--size", choices=sorted(GPT_PRESETS), default=None,
+                   help="a preset for --layers/--d-model/--heads (offload.models.gpt.GPT_PRESETS): " +
+                        ", ".join(f"{k} = {v[0]} x {v[1]} ({v[2]} heads)" for k, v in GPT_PRESETS.items()))
     m.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4)")
     m.add_argument("--d-model", type=int, default=None, help="width (default 256)")
     m.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
@@ -288,7 +154,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     t.add_argument("--cpu-matmul", choices=["auto", "fp32", "native"], default="auto",
                    help="bf16/fp16 on the CPU: compute each Linear's products in fp32 (auto, "
                         "fp32) or with torch's low-precision kernels (native); see [Note: CPU "
-                        "bf16 matmuls]")
+                        "bf16 matmuls] in offload/models/gpt.py")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data", default=None, help="a text file to train on (bytes; sets --vocab 256)")
     o = p.add_argument_group("tiers")
@@ -297,7 +163,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     o.add_argument("--placement", choices=["manual", "auto"], default="manual",
                    help="auto: the memory planner picks the tiers for this machine")
     o.add_argument("--nvme-path", default=None, help="directory for swap files (nvme tiers)")
-    o.add_argument("--pinned-budget", type=int, default=1 << 30, help="pinned staging bytes (nvme)")
+    o.add_argument("--pinned-budget", type=parse_bytes, default="1GiB",
+                   help="pinned staging budget (nvme tiers), e.g. 1GiB or 1.2GB or bytes")
     o.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     c = p.add_argument_group("checkpoints and output")
     c.add_argument("--save-dir", default=None)
@@ -306,13 +173,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     c.add_argument("--log-every", type=int, default=1)
     c.add_argument("--json", default=None, help="write the final figures to this JSON file (rank 0)")
     c.add_argument("--rss-budget", default=None,
-                   help="host memory budget for this process, e.g. 20GiB: the run fails (exit 3) "
-                        "if its peak resident set exceeded it")
+                   help="host memory budget for this process, e.g. 20GiB (GiB = 2**30 bytes, "
+                        "GB = 10**9): the run fails (exit 3) if its peak resident set exceeded it")
     args = p.parse_args(argv)
-    preset = SIZES[args.size] if args.size else (4, 256, 4)
+    preset = GPT_PRESETS[args.size] if args.size else (4, 256, 4)
     for name, value in zip(("layers", "d_model", "heads"), preset):
         if getattr(args, name) is None:
             setattr(args, name, value)  # an explicit flag wins over the preset
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     args.rss_budget_bytes = parse_bytes(args.rss_budget) if args.rss_budget else None
     if args.nvme_path and "nvme" in (args.param_tier, args.optimizer_tier, args.placement.replace("auto", "nvme")):
         os.makedirs(args.nvme_path, exist_ok=True)  # the engine checks the disk behind it
@@ -352,8 +221,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     config = make_config(args)
     torch.manual_seed(args.seed)
     fp32_matmul = args.cpu_matmul != "native" and args.precision in ("bf16", "fp16")
-    build = lambda: GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq,  # noqa: E731
-                        args.checkpoint_activations, fp32_matmul)
+    build = lambda: GPT(  # noqa: E731
+        args.vocab, args.d_model, args.layers, args.heads, args.seq, qkv_bias=True,  # GPT-2's
+        checkpoint="nonreentrant" if args.checkpoint_activations else "", fp32_matmul=fp32_matmul)
     t_init = time.perf_counter()
     if args.init_on_meta:
         with offload.init(config):
@@ -383,9 +253,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
               f"{args.precision}; params on {cfg.offload.param_tier}, optimizer on "
               f"{cfg.offload.optimizer_tier}; device {engine.device}", flush=True)
         if planned is not None:
-            print(f"initialized in {init_s:.1f} s; planner, per rank: host {_gib(planned['host'])} "
-                  f"+ pinned {_gib(planned['pinned'])}, nvme {_gib(planned['nvme'])}, work "
-                  f"{_gib(planned['work'])}; peak RSS so far {_gib(peak_rss_bytes())}", flush=True)
+            print(f"initialized in {init_s:.1f} s; planner, per rank: host {_size(planned['host'])} "
+                  f"+ pinned {_size(planned['pinned'])}, nvme {_size(planned['nvme'])}, work "
+                  f"{_size(planned['work'])}; peak RSS so far {_size(peak_rss_bytes())}", flush=True)
 
     bar = None
     if rank == 0 and sys.stderr.isatty():
@@ -458,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 json.dump(result, f, indent=2)
     engine.close()
     if args.rss_budget_bytes is not None and peak > args.rss_budget_bytes:
-        print(f"peak RSS {_gib(peak)} exceeded --rss-budget {_gib(args.rss_budget_bytes)}", file=sys.stderr)
+        print(f"peak RSS {_size(peak)} exceeded --rss-budget {_size(args.rss_budget_bytes)}", file=sys.stderr)
         raise SystemExit(3)
     return result
 
@@ -492,8 +362,8 @@ def _summary(r: dict, tokens_per_step: int) -> None:
     mem = r["memory"]
     state = mem["host"] + mem["device"] + mem["nvme"]  # pinned is staging, not state
     print(f"training state: {state / 1e9:.1f} GB ({state / r['params']:.1f} B/param): host "
-          f"{_gib(mem['host'])}, device {_gib(mem['device'])}, nvme {_gib(mem['nvme'])}; "
-          f"pinned staging {_gib(mem.get('pinned', 0))}")
+          f"{_size(mem['host'])}, device {_size(mem['device'])}, nvme {_size(mem['nvme'])}; "
+          f"pinned staging {_size(mem.get('pinned', 0))}")
     steps = r["step_s"]
     if steps:
         import statistics
@@ -505,14 +375,14 @@ def _summary(r: dict, tokens_per_step: int) -> None:
               f"median after the first {t:.1f} s = {_rate(tokens_per_step / t)} tokens/s; "
               f"NVMe I/O {io / 1e9:.1f} GB/step ({io / r['params']:.1f} B/param, "
               f"{io / t / 1e9:.2f} GB/s)")
-    line = f"peak RSS {_gib(r['peak_rss_bytes'])}"
+    line = f"peak RSS {_size(r['peak_rss_bytes'])}"
     if r["planned"]:
         p = r["planned"]
-        line += (f"; planner: host {_gib(p['host'])} + pinned {_gib(p['pinned'])} + work "
-                 f"{_gib(p['work'])} = {_gib(p['host'] + p['pinned'] + p['work'])}")
+        line += (f"; planner: host {_size(p['host'])} + pinned {_size(p['pinned'])} + work "
+                 f"{_size(p['work'])} = {_size(p['host'] + p['pinned'] + p['work'])}")
     if r["rss_budget_bytes"]:
         ok = r["peak_rss_bytes"] <= r["rss_budget_bytes"]
-        line += f"; budget {_gib(r['rss_budget_bytes'])}: {'within' if ok else 'EXCEEDED'}"
+        line += f"; budget {_size(r['rss_budget_bytes'])}: {'within' if ok else 'EXCEEDED'}"
     print(line, flush=True)
 
 

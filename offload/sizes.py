@@ -34,7 +34,7 @@ def align_up(n: int, multiple: int = ALIGNMENT) -> int:
     if multiple <= 0:
         raise ValueError(f"alignment must be positive, got {multiple}")
     if n < 0:
-        raise ValueError(f"cannot align a negative size ({n})")
+        raise ValueError(f"cannot align a negative size: nbytes must be >= 0, got {n}")
     return -(-n // multiple) * multiple
 
 

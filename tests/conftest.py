@@ -11,8 +11,14 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+# One model for the tests, the benchmarks and the examples: offload/models/gpt.py, whose
+# defaults are the tests' tiny GPT. The tests import it from here under these names.
+from offload.models.gpt import GPT as TinyGPT
+from offload.models.gpt import Block, SmallEmbedding, gpt_batches, lm_loss
+
+__all__ = ["Block", "SmallEmbedding", "TinyGPT", "arithmetic_line", "check_torchrun_exit", "free_port",
+           "gpt_batches", "lm_loss", "run_distributed"]
 
 
 def arithmetic_line() -> str:
@@ -55,113 +61,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
-
-
-# -- a tiny GPT ------------------------------------------------------------------------------
-
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention + MLP."""
-
-    def __init__(self, d_model: int, n_head: int, qkv_bias: bool = False) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.ln1 = nn.LayerNorm(d_model)
-        # No qkv bias by default. With one (GPT-2's c_attn), the key bias has an exactly-zero
-        # true gradient (softmax is invariant to it), so its "gradient" is rounding noise that
-        # Adam normalises into lr-sized steps: two correct implementations disagree on it by
-        # O(lr) every step. The parity scenario "gpt_qkv_bias" keeps it, on purpose.
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=qkv_bias)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.out = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class SmallEmbedding(nn.Embedding):
-    """GPT-2's embedding init (normal, std 0.02) as reset_parameters, so `offload.init`
-    replays it; torch's N(0, 1) with a tied head gives logits so large that training is
-    chaotic and any two runs drift apart."""
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
-
-class TinyGPT(nn.Module):
-    """Embedding + blocks in a ModuleList + final norm + LM head tied to the embedding.
-    forward(idx, targets=None) returns logits, or the mean cross-entropy with targets."""
-
-    def __init__(
-        self,
-        vocab: int = 64,
-        d_model: int = 32,
-        n_layer: int = 2,
-        n_head: int = 2,
-        seq: int = 16,
-        tie: bool = True,
-        checkpoint: str = "",
-        qkv_bias: bool = False,
-    ) -> None:
-        super().__init__()
-        self.wte = SmallEmbedding(vocab, d_model)
-        self.wpe = SmallEmbedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, qkv_bias) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab, bias=False)
-        if tie:
-            self.lm_head.weight = self.wte.weight
-        self.checkpoint = checkpoint
-        """'' (none), 'reentrant' or 'nonreentrant': torch.utils.checkpoint each block;
-        'span': one non-reentrant checkpoint around all blocks."""
-
-    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            x = blk(x)
-        return x
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-        if self.checkpoint == "span":
-            # one non-reentrant region over all blocks: recomputation re-enters every unit
-            x = torch.utils.checkpoint.checkpoint(self._blocks, x, use_reentrant=False)
-        for blk in self.blocks if self.checkpoint != "span" else ():
-            if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(
-                    blk, x, use_reentrant=self.checkpoint == "reentrant"
-                )
-            else:
-                x = blk(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return lm_loss(logits, targets)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy, computed in at least fp32: bf16/fp16 logits are cast up, float64
-    logits (the float64 truth of tests/parity.py) stay float64."""
-    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(wide.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def gpt_batches(n: int, batch: int = 8, seq: int = 16, vocab: int = 64, seed: int = 1234):
-    """n (idx, targets) batches of random tokens, the same for every caller with a seed."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
-    return out
 
 
 # -- a multi-process launcher ----------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_deepspeed_script_trains_like_offload_initialize(ds_user):
     args = deepspeed_user.get_args(argv)
     cfg = load_config(deepspeed_user.DS_CONFIG)
     torch.manual_seed(0)
-    model = train_gpt.GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq)
+    model = train_gpt.GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq, qkv_bias=True)
     engine = offload.initialize(model, cfg)
     data = deepspeed_user.make_dataset(args)
     micro = cfg.train_micro_batch_size_per_gpu
@@ -303,7 +303,7 @@ def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path
 
     def gpt():
         torch.manual_seed(0)
-        return train_gpt.GPT(ns.vocab, ns.d_model, ns.layers, n_head=4, seq=ns.seq)
+        return train_gpt.GPT(ns.vocab, ns.d_model, ns.layers, n_head=4, seq=ns.seq, qkv_bias=True)
 
     def plain(fused: bool):
         return plain_loop(gpt, batches, lr=1e-3, weight_decay=0.1, gas=2, clip=1.0, fused=fused)

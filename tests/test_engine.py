@@ -678,17 +678,17 @@ def test_checkpoint_spanning_units_frees_each_during_backward(monkeypatch):
     torch.manual_seed(0)
     engine = offload.initialize(TinyGPT(checkpoint="span"), make_config())
     events = []
-    real_reduce, real_finish = engine._reduce, engine._finish_backward
+    real_reduce, real_finish = engine.backward_tracker.reduce, engine._finish_backward
 
-    def spy_reduce(unit):
+    def spy_reduce(unit, *args):
         events.append(unit.name)
-        real_reduce(unit)
+        return real_reduce(unit, *args)
 
     def spy_finish():
         events.append("<end of backward>")
         real_finish()
 
-    monkeypatch.setattr(engine, "_reduce", spy_reduce)
+    monkeypatch.setattr(engine.backward_tracker, "reduce", spy_reduce)
     monkeypatch.setattr(engine, "_finish_backward", spy_finish)
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))
@@ -747,7 +747,7 @@ def test_a_failed_backward_leaves_the_engine_usable():
     engine.backward(loss, retain_graph=False)
     with pytest.raises(RuntimeError):
         engine.backward(loss)  # the graph is gone: autograd raises
-    assert not engine._in_backward
+    assert not engine.backward_tracker.active
     engine.optimizer.zero_grad()
     engine.backward(engine(x, y))
     engine.step()
@@ -762,7 +762,7 @@ def test_a_second_backward_after_updates_in_backward_is_a_clear_error():
     engine = offload.initialize(TinyGPT(), make_config())
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))
-    assert engine._updated, "the boundary backward ran no update"
+    assert engine.policy.updated, "the boundary backward ran no update"
     with pytest.raises(RuntimeError, match="optimizer_in_backward=false"):
         engine.backward(engine(x, y))
     engine.step()
@@ -807,7 +807,9 @@ def test_fetch_store_only_tier_trains_bit_identically(model, dtype, monkeypatch)
     # The edge model has frozen and gradient-less parameters: parts of a shard the
     # optimizer does not write must survive a whole-shard store.
     base, _ = engine_train(model, make_config(dtype=dtype, gas=2, clip=0.05))
-    monkeypatch.setattr(offload.engine, "make_param_tier", lambda *a, **k: _FetchOnlyTier(False))
+    import offload.runtime.build
+
+    monkeypatch.setattr(offload.runtime.build, "make_param_tier", lambda *a, **k: _FetchOnlyTier(False))
     slow, info = engine_train(model, make_config(dtype=dtype, gas=2, clip=0.05))
     for k in base:
         assert torch.equal(base[k], slow[k]), k

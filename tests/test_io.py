@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.sizes import ALIGNMENT, align_up
 from offload.storage.io import (
-    ALIGNMENT,
     AIOHandle,
     BufferedIOWarning,
     BufferPool,
     ShortReadError,
-    align_up,
     aligned_empty,
     is_fast_path,
     wait_all,

@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 import offload
+import offload.plan.cli as cli_mod
+import offload.plan.machine as machine_mod
 import offload.plan.planner as plan_mod
 from offload.config import Config, ConfigError, OffloadConfig
-from offload.plan.planner import Machine, make_machine, parse_bytes, parse_count, plan
+from offload.plan import Machine, make_machine, plan
+from offload.sizes import parse_bytes, parse_count
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
 
 GiB, TiB = 1 << 30, 1 << 40
@@ -278,9 +281,9 @@ def test_reserve_is_held_back_from_the_gpu():
 
 def test_frozen_parameters_get_no_optimizer_state():
     m = make_machine(gpus=0, cpu_mem="1TiB")
-    full = plan_mod._frozen_split_model(10**8, 10**8, 4)
+    full = cli_mod._frozen_split_model(10**8, 10**8, 4)
     clip = {"gradient_clipping": 1.0}  # gradient shards held between steps, as with a GPU
-    lora = plan_mod._frozen_split_model(10**8, 10**6, 4)
+    lora = cli_mod._frozen_split_model(10**8, 10**6, 4)
     a = plan(full, machine=m, dtype="bf16", config=clip).estimate("cpu", "cpu")
     b = plan(lora, machine=m, dtype="bf16", config=clip).estimate("cpu", "cpu")
     # trainable: shard 2 + master 4 + grad 4 + moments 8 = 18 B; frozen: 2 + 4 + 4 (the
@@ -306,8 +309,8 @@ def test_parse_sizes_and_counts():
 
 
 def test_cli_prints_the_table_and_the_recommendation(capsys):
-    rc = plan_mod.main(["--params", "7e9", "--gpus", "1", "--gpu-mem", "80GiB", "--cpu-mem", "64GiB",
-                        "--nvme-free", "2TiB"])
+    rc = cli_mod.main(["--params", "7e9", "--gpus", "1", "--gpu-mem", "80GiB", "--cpu-mem", "64GiB",
+                       "--nvme-free", "2TiB"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "7.00B parameters" in out and "NOT modelled" in out
@@ -318,8 +321,8 @@ def test_cli_prints_the_table_and_the_recommendation(capsys):
 
 
 def test_cli_json_and_exit_code_when_nothing_fits(capsys):
-    rc = plan_mod.main(["--params", "70B", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB",
-                        "--json"])
+    rc = cli_mod.main(["--params", "70B", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB",
+                       "--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 1 and data["recommended"] is None
     assert [(p["param_tier"], p["optimizer_tier"]) for p in data["placements"]] == list(plan_mod.PLACEMENTS)
@@ -334,7 +337,7 @@ def test_python_dash_m_offload_plan():
 
 def test_cli_errors_are_clear(capsys):
     with pytest.raises(SystemExit):
-        plan_mod.main(["--params", "lots"])
+        cli_mod.main(["--params", "lots"])
     assert "cannot read 'lots' as a parameter count" in capsys.readouterr().err
 
 
@@ -356,7 +359,7 @@ def test_placement_auto_picks_and_logs(caplog):
 
 def test_placement_auto_never_picks_nvme_without_nvme_path(monkeypatch):
     # Too little host memory for anything in memory, and no nvme_path: nothing fits.
-    monkeypatch.setattr(plan_mod, "_mem_available_bytes", lambda: 1 << 10)
+    monkeypatch.setattr(machine_mod, "mem_available_bytes", lambda: 1 << 10)
     cfg = Config(compute_device="cpu", offload={"placement": "auto"})
     with pytest.raises(MemoryError, match="offload.placement='auto'.*host") as info:
         offload.initialize(TinyGPT(), cfg)

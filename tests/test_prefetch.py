@@ -107,9 +107,9 @@ def train(model: str, cfg: Config, rank: int = 0, world_size: int = 1, steps: in
             if engine.micro_steps % cfg.gradient_accumulation_steps == 0:  # a step completed
                 stats.append(engine.step_stats())
         facts = {
-            "retraces": engine.schedule.retraces,
+            "retraces": engine.gather.schedule.retraces,
             "peak_pinned": engine.nvme.staging.pool.peak_bytes_in_use if engine.nvme else 0,
-            "full_bytes": list(engine.schedule.full_bytes),
+            "full_bytes": list(engine.gather.schedule.full_bytes),
         }
         sd = engine.full_state_dict()
     finally:

@@ -10,11 +10,11 @@ from offload.units.shard import (
     SHARD_ALIGN_ELEMS,
     Segment,
     UpdateRun,
-    align_up,
     intersect,
     layout_unit,
     update_runs,
 )
+from offload.sizes import align_up
 
 
 def test_align_up():

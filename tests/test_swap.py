@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
+from offload.sizes import align_up
 from offload.storage.swap import (
     PAGE_BYTES,
     SWAP_SUBDIR,
     SwapDirectory,
-    align_up,
     check_free_space,
     check_swap_dir,
     plan_slots,

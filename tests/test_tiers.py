@@ -109,3 +109,67 @@ def test_nvme_tier_roundtrip_direct_and_staged(tmp_path):
         assert ctx.staging.pool.bytes_in_use == 0 or len(ctx.staging) > 0
     finally:
         ctx.close()
+
+
+def test_in_memory_tiers_are_addressable_and_fetch_nothing_ahead():
+    for tier in (DeviceTier(torch.device("cpu")), HostTier(pin_memory=False)):
+        tier.allocate("u", 8, torch.float32)
+        assert tier.addressable and tier.fetch_ahead("u") is None and tier.take_held("u") is None
+        tier.keep_after_store(["u"])
+        tier.store("u", torch.ones(8))
+        assert tier.take_held("u") is None
+        assert [b for b, _ in tier.memory_tensors()] == [tier.kind] and tier.bytes_on_disk() == 0
+
+
+def test_staging_revokes_leases_for_a_buffer_needed_now():
+    from offload.storage.nvme import LeaseState, Staging
+
+    staging = Staging(8192, pin=False)
+    leases = [staging.lease(4096), staging.lease(4096)]
+    assert all(lease.state is LeaseState.HELD for lease in leases)
+    assert staging.lease(4096) is None  # never waits, never revokes another lease
+    buf = staging.acquire(4096)  # the pool is full, no write in flight: every lease goes
+    assert all(lease.state is LeaseState.REVOKED and lease.claim() is None for lease in leases)
+    leases[0].release()  # a holder giving back a revoked lease is harmless
+    kept = staging.lease(4096)
+    mine = kept.claim()  # claimed: an ordinary buffer, no longer revocable
+    assert mine is not None and kept.state is LeaseState.RELEASED
+    with pytest.raises(RuntimeError, match="pinned_budget_bytes"):
+        staging.acquire(4096)
+    staging.release(mine)
+    staging.release(buf)
+
+
+def test_nvme_store_revokes_reads_ahead_and_keeps_a_copy_when_asked(tmp_path):
+    from offload.storage.nvme import NVMeContext
+
+    ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=1 << 16, queue_depth=4, threads=1)
+    try:
+        tier = make_param_tier("nvme", torch.device("cpu"), False, nvme=ctx,
+                               shards=[("u0", 2048, torch.bfloat16)])
+        assert not tier.addressable and tier.bytes_on_disk() == 4096
+        first = torch.arange(2048.0).bfloat16()
+        tier.store("u0", first)
+        ahead = tier.fetch_ahead("u0")
+        assert ahead.live() and torch.equal(ahead.wait(), first)
+        second = first + 1
+        tier.store("u0", second)  # the bytes read ahead are stale now
+        assert not ahead.live()
+        ahead.release()
+        tier.keep_after_store(["u0"])
+        third = first + 2
+        tier.store("u0", third)
+        held = tier.take_held("u0")
+        assert held is not None and held.fresh and held.done() and torch.equal(held.wait(), third)
+        assert tier.take_held("u0") is None  # handed out once
+        tier.store("u0", first)
+        assert not held.live()  # a new store drops the copy of the old bytes
+        kept = tier.fetch_ahead("u0")  # the copy of this store, as a completed fetch
+        assert kept.fresh and kept.claim() and torch.equal(kept.wait(), first)
+        kept.release()
+        tier.keep_after_store([])
+        tier.store("u0", second)
+        assert tier.take_held("u0") is None
+        assert ctx.staging.revoke_leases() is False  # nothing left lent
+    finally:
+        ctx.close()

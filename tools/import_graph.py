@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("offload._native", "offload._C", "offload.sizes", "offload.dtypes")),
+    ("models", ("offload.models",)),
     ("config", ("offload.config",)),
     ("storage", ("offload.storage",)),
     ("units", ("offload.units",)),

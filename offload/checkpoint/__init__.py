@@ -10,7 +10,11 @@
 | `shards.py` | checksummed chunked tensor files over `offload.storage.io` (write and read pipelines) |
 | `manifest.py` | the manifest: model signature, files, sizes, checksums; compatibility checks |
 | `save.py` / `load.py` | the engine's state out and back in (re-sharding on load) |
+| `full_weights.py` | the full fp32 weights unit by unit: consolidation, `full_state_dict`, `load_full_state_dict` |
 | `consolidate.py` | full-model safetensors, streamed unit by unit |
+
+The functions that act on a live engine take its `offload.runtime.view.ShardedState`
+(`engine.sharded_state`), never the `Engine`: they read and restore only what it lists.
 """
 
 from offload.checkpoint.consolidate import consolidate

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 import uuid
 from typing import Any, Optional, Union
@@ -40,30 +39,26 @@ import torch
 from offload.checkpoint import files, full_weights, manifest
 from offload.checkpoint.load import read_rank_state
 from offload.checkpoint.shards import DEFAULT_WINDOW
+from offload.dtypes import name_of
+from offload.sizes import parse_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
-_ST_DTYPES = {
+_ST_DTYPES = {  # safetensors' dtype codes, by `offload.dtypes.name_of`
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
-_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes from an int or a string like '5GB' (10**9, as Hugging Face), '500MiB' (2**20)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be positive, got {size}")
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(size), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"max_shard_size {size!r} is not a size; use bytes or e.g. '5GB', '500MB'")
-    base = 1024 if m.group(3) else 1000
-    power = " KMGT".index(m.group(2).upper() or " ")
-    value = int(float(m.group(1)) * base**power)
+    """`max_shard_size` in bytes, from an int or a size read by `offload.sizes.parse_bytes`:
+    '5GB' (10**9, as Hugging Face writes it), '500MiB' (2**20)."""
+    try:
+        value = parse_bytes(size)
+    except ValueError as exc:
+        raise ValueError(f"max_shard_size: {exc}") from None
     if value <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
     return value
@@ -103,10 +98,10 @@ def consolidate(
             plan.append((entry["key"], "F32", slot["shape"], slot["numel"] * 4))
         elif entry["kind"] == "buffer":
             value = small["buffers"][entry["key"]]
-            code = _ST_DTYPES.get(manifest.torch_dtype_name(value.dtype))
+            code = _ST_DTYPES.get(name_of(value.dtype))
             if code is None:
                 raise ValueError(f"buffer {entry['key']!r} has dtype {value.dtype}, which safetensors cannot store")
-            plan.append((entry["key"], code, list(value.shape), value.numel() * _SIZES[code]))
+            plan.append((entry["key"], code, list(value.shape), value.numel() * value.element_size()))
     shards: list[list[tuple]] = [[]]
     size = 0
     for item in plan:

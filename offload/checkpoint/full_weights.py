@@ -18,17 +18,21 @@ where the slices go, so `stream_full_weights` takes both as arguments:
 
 Memory is one unit's flat fp32 buffer (plus, for a checkpoint, the reader's window of
 chunks) beside whatever the sink keeps, whatever the model's size.
+
+The way back in, `load_full_state_dict` (`engine.load_full_state_dict()`), lives here too:
+it takes such a dict and writes each rank's slice of it into the masters and parameter
+shards, unit by unit.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from offload.checkpoint import manifest
-from offload.checkpoint.load import _assemble, _records_by_rank
-from offload.checkpoint.shards import DEFAULT_WINDOW, ShardReader
+from offload.checkpoint.shards import DEFAULT_WINDOW, ShardReader, assemble_jobs
+from offload.runtime.view import Location, ShardedState
 
 Emit = Callable[[int, Optional[torch.Tensor]], None]
 Source = Callable[[Emit], None]
@@ -70,7 +74,7 @@ def unit_numel(unit: dict[str, Any]) -> int:
 # -- sources ------------------------------------------------------------------------------------
 
 
-def engine_units(engine: Any, keep: bool = True) -> Source:
+def engine_units(sharded: ShardedState, keep: bool = True) -> Source:
     """A live engine's units: each rank's fp32 master shard, read through
     `ShardedAdam.unit_state` (NVMe: one unit in host memory at a time) and joined by an
     all-gather at world size > 1. Every rank must run it; `keep=False` emits None (the
@@ -78,15 +82,15 @@ def engine_units(engine: Any, keep: bool = True) -> Source:
     import offload.units.collectives as _dist
 
     def run(emit: Emit) -> None:
-        for unit in engine.units:
-            with engine.optimizer.unit_state(unit.index) as state:
+        for unit in sharded.units:
+            with sharded.optimizer.unit_state(unit.index) as state:
                 master = state["master"]
-                if engine.world_size == 1:
+                if sharded.world_size == 1:
                     full = master
                 else:
-                    dev = _dist.collective_device(engine.pg, engine.device)
+                    dev = _dist.collective_device(sharded.pg, sharded.device)
                     full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=dev)
-                    _dist.all_gather_into(full, master.to(dev), engine.pg)
+                    _dist.all_gather_into(full, master.to(dev), sharded.pg)
                 emit(unit.index, full if keep else None)  # inside: the NVMe buffer is live
                 del full
 
@@ -101,14 +105,14 @@ def checkpoint_units(path: str, saved: dict[str, Any], window: int = DEFAULT_WIN
     units = {u["index"]: u for u in saved["model"]["units"]}
 
     def run(emit: Emit) -> None:
-        records = _records_by_rank(path, saved)
+        records = manifest.records_by_rank(path, saved)
         pending: dict[int, torch.Tensor] = {}
 
         def groups():
             for index, unit in units.items():
-                full = torch.empty(unit_numel(unit), dtype=torch.float32)  # _assemble zeroes gaps
+                full = torch.empty(unit_numel(unit), dtype=torch.float32)  # gaps zeroed by assemble_jobs
                 pending[index] = full
-                yield index, _assemble(records, unit, "master", 0, full, saved["chunk_bytes"], index)
+                yield index, assemble_jobs(records, unit, "master", 0, full, saved["chunk_bytes"], index)
 
         handle = AIOHandle()
         try:
@@ -121,16 +125,16 @@ def checkpoint_units(path: str, saved: dict[str, Any], window: int = DEFAULT_WIN
     return run
 
 
-# -- engine.full_state_dict -----------------------------------------------------------------------
+# -- engine.full_state_dict, engine.load_full_state_dict ------------------------------------------
 
 
 @torch.no_grad()
-def full_state_dict(engine: Any, rank0_only: bool = True) -> dict[str, Any]:
+def full_state_dict(sharded: ShardedState, rank0_only: bool = True) -> dict[str, Any]:
     """`engine.full_state_dict()`: the consolidated fp32 weights with exactly
     `model.state_dict()`'s keys (a tied parameter's names share one tensor; buffers in
     their original dtype; non-tensor extra state as is), on CPU. Every rank must call it;
     with `rank0_only` the other ranks take part in the gathers and get {}."""
-    keep = engine.rank == 0 or not rank0_only
+    keep = sharded.rank == 0 or not rank0_only
     params: dict[str, torch.Tensor] = {}
 
     def put(keys: list[str], value: torch.Tensor) -> None:
@@ -138,16 +142,64 @@ def full_state_dict(engine: Any, rank0_only: bool = True) -> dict[str, Any]:
         for key in keys:
             params[key] = copy
 
-    stream_full_weights(manifest.model_signature(engine), engine_units(engine, keep), put)
+    stream_full_weights(manifest.model_signature(sharded), engine_units(sharded, keep), put)
     if not keep:
         return {}
     out: dict[str, Any] = {}
-    for key, (kind, what) in engine._sd_index:
-        if kind == "param":
-            out[key] = params[key]
-        elif kind == "buffer":
-            dtype = engine._buffer_dtypes.get(id(what), what.dtype)
-            out[key] = what.detach().to("cpu", dtype=dtype, copy=True)
+    for entry in sharded.state_dict_index:
+        if entry.location is Location.PARAM:
+            out[entry.key] = params[entry.key]
+        elif entry.location is Location.BUFFER:
+            buffer = entry.where
+            dtype = sharded.buffer_dtypes.get(id(buffer), buffer.dtype)
+            out[entry.key] = buffer.detach().to("cpu", dtype=dtype, copy=True)
         else:
-            out[key] = what
+            out[entry.key] = entry.where
     return out
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    sharded: ShardedState, state_dict: Mapping[str, Any], strict: bool = True
+) -> None:
+    """`engine.load_full_state_dict()`: consolidated weights (as `full_state_dict` returns
+    them) into the masters and parameter shards. Every rank passes the full dict (e.g. each
+    `torch.load`s it) and keeps its own slice; optimizer moments are left as they are.
+
+    `strict`: the keys must be exactly `model.state_dict()`'s (KeyError naming the missing
+    and unexpected ones); otherwise absent keys keep their values and unknown ones are
+    ignored. A tied parameter is taken from its first name in state-dict order; buffers are
+    copied whole (cast to the dtype they run in); non-tensor extra state is not loaded."""
+    sharded.sync_device()  # queued host-to-device copies still read the shards rewritten here
+    keys = [entry.key for entry in sharded.state_dict_index]
+    if strict:
+        known = set(keys)
+        missing = [k for k in keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in known]
+        if missing or unexpected:
+            raise KeyError(
+                f"state dict does not match the model: missing keys {missing[:10]}"
+                f"{'...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+                f"{'...' if len(unexpected) > 10 else ''}"
+            )
+    per_unit: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    """unit index -> (slot index, full value) of the parameters given for it."""
+    for entry in sharded.state_dict_index:
+        if entry.key not in state_dict:
+            continue
+        value = state_dict[entry.key]
+        if entry.location is Location.PARAM:
+            ui, si = entry.where
+            if any(s == si for s, _ in per_unit.get(ui, ())):
+                continue  # a tied parameter's second name: its slot is already taken
+            per_unit.setdefault(ui, []).append((si, torch.as_tensor(value)))
+        elif entry.location is Location.BUFFER:
+            buffer = entry.where
+            buffer.copy_(torch.as_tensor(value).to(buffer.dtype))
+    for ui, unit in enumerate(sharded.units):
+        # One unit at a time: on NVMe its state is read, changed and written back (only
+        # when a value was given for it; every unit's shard is republished regardless).
+        with sharded.optimizer_states.open(ui, write=ui in per_unit) as t:
+            for si, value in per_unit.get(ui, ()):
+                sharded.write_master_slot(ui, si, value, t.master)
+            unit.publish(t.master)

@@ -52,46 +52,47 @@ import torch
 from offload.storage.io import probe_direct_io
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
-    DTYPES,
     DEFAULT_WINDOW,
     Staging,
     CheckpointCorruptError,
     ReadJob,
     ShardReader,
-    chunk_jobs,
+    assemble_jobs,
 )
+from offload.dtypes import name_of
+from offload.runtime.view import Location, ShardedState
 
 
 def load_checkpoint(
-    engine: Any, load_dir: str, tag: Optional[str] = None, *, window: int = DEFAULT_WINDOW,
-    copy_to_swap: Optional[bool] = None,
+    sharded: ShardedState, load_dir: str, tag: Optional[str] = None, *,
+    window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
 ) -> tuple[str, Any]:
-    """Load `load_dir/<tag>` (default: the tag `latest` names) into `engine`. Every rank
-    must call it. Returns (checkpoint path, this rank's client_state). `copy_to_swap`: see
-    `Engine.load_checkpoint`."""
+    """Load `load_dir/<tag>` (default: the tag `latest` names) into `sharded` (the engine's
+    state). Every rank must call it. Returns (checkpoint path, this rank's client_state).
+    `copy_to_swap`: see `Engine.load_checkpoint`."""
     if copy_to_swap not in (None, True, False):
         raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
     path = files.resolve_tag(os.fspath(load_dir), tag)
     saved = manifest.read(path)
     # At the saving world size each rank reads its own files only (which is all a node
     # holds of a checkpoint saved to node-local directories); re-sharding reads them all.
-    same = saved["world_size"] == engine.world_size
-    manifest.verify_files(path, saved, [engine.rank] if same else None)
-    manifest.check_compatible(saved, engine)
-    own = engine.rank if engine.rank < saved["world_size"] else 0
-    state = read_rank_state(path, saved, own)
-    if (state["lr_scheduler"] is None) != (engine.lr_scheduler is None):
-        have = "has" if state["lr_scheduler"] is not None else "has no"
-        mine = "has one" if engine.lr_scheduler is not None else "has none"
+    same = saved["world_size"] == sharded.world_size
+    manifest.verify_files(path, saved, [sharded.rank] if same else None)
+    manifest.check_compatible(saved, sharded)
+    own = sharded.rank if sharded.rank < saved["world_size"] else 0
+    small = read_rank_state(path, saved, own)
+    if (small["lr_scheduler"] is None) != (sharded.lr_scheduler is None):
+        have = "has" if small["lr_scheduler"] is not None else "has no"
+        mine = "has one" if sharded.lr_scheduler is not None else "has none"
         raise ValueError(
             f"checkpoint {path!r} {have} learning-rate scheduler state but this engine {mine}; "
             "build the engine with the same lr_scheduler / config.scheduler as the saving run"
         )
-    engine._sync_device()
-    engine.optimizer.zero_grad()
-    load_units(engine, path, saved, state["slot_steps"], window=window, copy_to_swap=copy_to_swap)
-    _restore_small_state(engine, state, restore_rng=engine.rank < saved["world_size"])
-    return path, state["client_state"]
+    sharded.sync_device()
+    sharded.optimizer.zero_grad()
+    load_units(sharded, path, saved, small["slot_steps"], window=window, copy_to_swap=copy_to_swap)
+    _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"])
+    return path, small["client_state"]
 
 
 def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -110,34 +111,37 @@ def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, An
 
 
 def load_units(
-    engine: Any, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
+    sharded: ShardedState, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
     *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
 ) -> None:
-    staging = Staging.of(engine, engine.config.aio, 0.0, saved["chunk_bytes"], window)
+    """Every unit's master and moments (this rank's shard under the current layout) from
+    checkpoint `path` into the optimizer's store, with per-parameter step counts from
+    `steps_by_name` (0 for a name not there). See the module docstring."""
+    staging = Staging.of(sharded.optimizer, sharded.config.aio, 0.0, saved["chunk_bytes"], window)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
-    records = _records_by_rank(path, saved)
+    records = manifest.records_by_rank(path, saved)
     pending: dict[int, dict[str, torch.Tensor]] = {}
-    rank = engine.rank
+    rank = sharded.rank
 
     # Where each unit's chunks land ([Note: load destinations]).
-    in_place = _state_in_host_memory(engine)
+    in_place = state_in_host_memory(sharded)
     slots: dict[int, Any] = {}
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
     sources: dict[int, tuple[str, dict[str, int]]] = {}
     """NVMe: units adopted in place (their state left in the checkpoint file)."""
-    readable = {} if in_place or copy_to_swap else _readable_in_place(engine, records, copy_to_swap)
+    readable = {} if in_place or copy_to_swap else _readable_in_place(sharded, records, copy_to_swap)
 
     def groups() -> Iterator[tuple[int, list[ReadJob]]]:
-        for i, unit in enumerate(engine.units):
+        for unit in sharded.units:
             layout = unit.layout
             n_opt = layout.shard_optimized_numel(rank)
             if in_place:
-                with engine.optimizer.unit_state(unit.index) as live:
+                with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
                     dest = {name: live[name] for name in ("master", "exp_avg", "exp_avg_sq")}
                 _check_live(unit, dest, layout.shard_numel, n_opt)
             else:
-                t = engine.optimizer.begin_overwrite(unit.index)
+                t = sharded.optimizer.begin_overwrite(unit.index)
                 if t is None:
                     raise RuntimeError("the optimizer store hands out neither live tensors nor slots")
                 slots[unit.index] = t
@@ -145,37 +149,37 @@ def load_units(
             pending[unit.index] = dest
             old = old_units[unit.name]
             if not in_place:
-                source = _source_in_place(engine, saved, old, records, unit, readable)
+                source = _source_in_place(sharded, saved, old, records, unit, readable)
                 if source is not None:
                     sources[unit.index] = source
             lo = rank * layout.shard_numel
             jobs: list[ReadJob] = []
             for name, t in dest.items():
-                jobs += _assemble(records, old, name, lo, t, saved["chunk_bytes"], unit.index)
+                jobs += assemble_jobs(records, old, name, lo, t, saved["chunk_bytes"], unit.index)
             yield unit.index, jobs
 
     def on_done(index: int) -> None:
         dest = pending.pop(index)
-        unit = next(u for u in engine.units if u.index == index)
+        unit = next(u for u in sharded.units if u.index == index)
         steps = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         if index in slots:
             # read straight into the slot's buffer: one asynchronous write stores it
-            engine.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None))
+            sharded.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None))
             return
         dest["slot_steps"] = steps
-        engine.optimizer.load_unit_state(index, dest)
+        sharded.optimizer.load_unit_state(index, dest)
 
     try:
         with _one_torch_thread():
             reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
-            reader.run(groups(), on_done, max_open_groups=_open_units(engine, in_place))
+            reader.run(groups(), on_done, max_open_groups=_open_units(sharded, in_place))
     finally:
         for index, t in slots.items():  # a failed load: buffers back, nothing written
-            engine.optimizer.abandon_overwrite(index, t)
+            sharded.optimizer.abandon_overwrite(index, t)
 
 
 def _source_in_place(
-    engine: Any, saved: dict[str, Any], old: dict[str, Any], records: list[tuple[str, dict]],
+    sharded: ShardedState, saved: dict[str, Any], old: dict[str, Any], records: list[tuple[str, dict]],
     unit: Any, readable: dict[str, bool],
 ) -> Optional[tuple[str, dict[str, int]]]:
     """(shard file, where each of this rank's state tensors of `unit` starts in it), when
@@ -183,10 +187,10 @@ def _source_in_place(
     the store's moment dtype) and the file may be read in place (`readable`); else None
     (the load copies the state into the slot). See [Note: adopted state] in
     offload/storage/optim_state.py."""
-    store = engine.optimizer.store
-    if store.kind != "nvme" or saved["world_size"] != engine.world_size:
+    store = sharded.optimizer.store
+    if store.resident or saved["world_size"] != sharded.world_size:
         return None
-    file, by_key = records[engine.rank]
+    file, by_key = records[sharded.rank]
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
         return None
     lay = store.layouts[unit.index]
@@ -197,20 +201,20 @@ def _source_in_place(
         ("exp_avg_sq", store.moment_dtype, lay.moment_numel),
     ):
         rec = by_key.get((old["index"], name))
-        if rec is None or rec["numel"] != numel or DTYPES.get(rec["dtype"]) != dtype:
+        if rec is None or rec["numel"] != numel or rec["dtype"] != name_of(dtype):
             return None
         offsets[name] = int(rec["offset"])
     return file, offsets
 
 
 def _readable_in_place(
-    engine: Any, records: list[tuple[str, dict]], copy_to_swap: Optional[bool]
+    sharded: ShardedState, records: list[tuple[str, dict]], copy_to_swap: Optional[bool]
 ) -> dict[str, bool]:
     """Which shard files the NVMe store may read in place of its slots: with O_DIRECT (the
     step's reads stay direct), and by default (`copy_to_swap` None) only on the swap
     directory's own filesystem, where reading the checkpoint costs what reading the slot
     would; a checkpoint on other storage (a network share) is copied during the load."""
-    swap_dev = os.stat(engine.nvme.directory.path).st_dev
+    swap_dev = os.stat(sharded.nvme.directory.path).st_dev
     out = {}
     for file, _ in records:
         if not os.path.exists(file):
@@ -222,20 +226,21 @@ def _readable_in_place(
     return out
 
 
-def _open_units(engine: Any, in_place: bool) -> int:
+def _open_units(sharded: ShardedState, in_place: bool) -> int:
     """Units whose chunks may be in flight at once: two (the next unit's reads overlap this
     one's swap write), or one when the pinned pool holds only one NVMe slot buffer."""
     if in_place:
         return 2
-    store = engine.optimizer.store
+    store = sharded.optimizer.store
     largest = max((lay.nbytes for lay in store.layouts), default=0)
-    return 2 if 2 * largest <= engine.nvme.staging.budget_bytes else 1
+    return 2 if 2 * largest <= sharded.nvme.staging.budget_bytes else 1
 
 
-def _state_in_host_memory(engine: Any) -> bool:
+def state_in_host_memory(sharded: ShardedState) -> bool:
     """Whether `unit_state` hands out the optimizer's own host tensors (the 'host' store),
-    which a load may then fill in place; the NVMe store hands out pooled copies."""
-    return engine.optimizer.store.kind == "host"
+    which a load may then fill in place and a save write straight from; the NVMe store
+    hands out pooled copies (a save then reads the next unit ahead)."""
+    return sharded.optimizer.store.resident
 
 
 def _check_live(unit: Any, dest: dict[str, torch.Tensor], shard_numel: int, n_opt: int) -> None:
@@ -261,59 +266,27 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _records_by_rank(path: str, saved: dict[str, Any]) -> list[tuple[str, dict]]:
-    out = []
-    for entry in saved["ranks"]:
-        shards = entry["shards"]
-        by_key = {(r["unit"], r["name"]): r for r in shards["tensors"]}
-        out.append((os.path.join(path, shards["file"]), by_key))
-    return out
-
-
-def _assemble(
-    records: list[tuple[str, dict]], old_unit: dict[str, Any], name: str, lo: int,
-    dest: torch.Tensor, chunk_bytes: int, tag: Any,
-) -> list[ReadJob]:
-    """Jobs filling `dest` with flat elements [lo, lo + dest.numel()) of the saved unit's
-    tensor `name`, from every saved rank whose part overlaps."""
-    hi = lo + dest.numel()
-    old_shard = old_unit["shard_numel"]
-    jobs: list[ReadJob] = []
-    spans = []
-    for r, (file, by_key) in enumerate(records):
-        rec = by_key[(old_unit["index"], name)]
-        start = r * old_shard
-        a, b = max(lo, start), min(hi, start + rec["numel"])
-        if a < b:
-            jobs += chunk_jobs(rec, file, chunk_bytes, a - start, b - start, dest[a - lo : b - lo], tag)
-            spans.append((a - lo, b - lo))
-    # What no saved rank holds (padding of a larger layout, moments past the optimized
-    # prefix) is zero, as in a fresh engine; `dest` starts uninitialised.
-    pos = 0
-    for a, b in sorted(spans) + [(dest.numel(), dest.numel())]:
-        if a > pos:
-            dest[pos:a].zero_()
-        pos = max(pos, b)
-    return jobs
-
-
 @torch.no_grad()
-def _restore_small_state(engine: Any, state: dict[str, Any], restore_rng: bool) -> None:
-    engine.global_steps = int(state["global_steps"])
-    engine.micro_steps = int(state["micro_steps"])
-    engine.skipped_steps = int(state["skipped_steps"])
-    engine.last_grad_norm = state["last_grad_norm"]
-    engine.scaler.load_state_dict(state["loss_scaler"])
-    for mine, theirs in zip(engine.optimizer.param_groups, state["param_groups"]):
+def _restore_small_state(sharded: ShardedState, small: dict[str, Any], restore_rng: bool) -> None:
+    """Counters, loss scaler, optimizer hyperparameters, scheduler, buffers and (when this
+    rank saved them) RNG states from the rank's small state `small`."""
+    counters = sharded.counters
+    counters.global_steps = int(small["global_steps"])
+    counters.micro_steps = int(small["micro_steps"])
+    counters.skipped_steps = int(small["skipped_steps"])
+    counters.last_grad_norm = small["last_grad_norm"]
+    sharded.scaler.load_state_dict(small["loss_scaler"])
+    for mine, theirs in zip(sharded.optimizer.param_groups, small["param_groups"]):
         mine.update(theirs)
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    buffers = state["buffers"]
-    for key, (kind, what) in engine._sd_index:
-        if kind == "buffer" and key in buffers:
-            what.copy_(buffers[key].to(device=what.device, dtype=what.dtype))
+    if sharded.lr_scheduler is not None:
+        sharded.lr_scheduler.load_state_dict(small["lr_scheduler"])
+    buffers = small["buffers"]
+    for entry in sharded.state_dict_index:
+        if entry.location is Location.BUFFER and entry.key in buffers:
+            buffer = entry.where
+            buffer.copy_(buffers[entry.key].to(device=buffer.device, dtype=buffer.dtype))
     if restore_rng:
-        set_rng_state(state["rng"])
+        set_rng_state(small["rng"])
 
 
 def set_rng_state(rng: dict[str, Any]) -> None:

@@ -24,19 +24,17 @@ import torch
 
 from offload.checkpoint.files import MANIFEST
 from offload.checkpoint.shards import CheckpointCorruptError
+from offload.dtypes import name_of
+from offload.runtime.view import Location, ShardedState
 
 FORMAT = "offload-checkpoint"
 VERSION = 1
 
 
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def model_signature(engine: Any) -> dict[str, Any]:
+def model_signature(sharded: ShardedState) -> dict[str, Any]:
     """The engine's units and state-dict keys, as plain JSON values."""
     units = []
-    for unit in engine.units:
+    for unit in sharded.units:
         layout = unit.layout
         units.append({
             "index": unit.index,
@@ -51,20 +49,24 @@ def model_signature(engine: Any) -> dict[str, Any]:
             ],
         })
     keys = []
-    for key, (kind, what) in engine._sd_index:
-        if kind == "param":
-            keys.append({"key": key, "kind": "param", "unit": what[0], "slot": what[1]})
-        elif kind == "buffer":
-            dtype = engine._buffer_dtypes.get(id(what), what.dtype)
-            keys.append({"key": key, "kind": "buffer", "dtype": torch_dtype_name(dtype),
-                         "shape": list(what.shape)})
+    # The manifest's "kind" is the file format's word for a Location (its value).
+    for entry in sharded.state_dict_index:
+        key, where = entry.key, entry.where
+        if entry.location is Location.PARAM:
+            keys.append({"key": key, "kind": "param", "unit": where[0], "slot": where[1]})
+        elif entry.location is Location.BUFFER:
+            dtype = sharded.buffer_dtypes.get(id(where), where.dtype)
+            keys.append({"key": key, "kind": "buffer", "dtype": name_of(dtype),
+                         "shape": list(where.shape)})
         else:
             keys.append({"key": key, "kind": "other"})
     return {"units": units, "state_dict": keys}
 
 
-def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg = engine.config
+def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of a checkpoint of `sharded` with tag `tag`, whose rank files are
+    described by `ranks` (one entry per rank, as `save` gathers them)."""
+    cfg = sharded.config
     from offload.optim.sharded import moments_dtype
 
     master = torch.float32  # always: see docs/engine.md, Precision
@@ -75,17 +77,17 @@ def build(engine: Any, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) 
         "tag": tag,
         "created_unix_s": time.time(),
         "torch": torch.__version__,
-        "world_size": engine.world_size,
+        "world_size": sharded.world_size,
         "chunk_bytes": chunk_bytes,
         "dtypes": {
-            "master": torch_dtype_name(master),
-            "moments": torch_dtype_name(moments),
-            "compute": torch_dtype_name(engine.dtype),
+            "master": name_of(master),
+            "moments": name_of(moments),
+            "compute": name_of(sharded.dtype),
         },
-        "param_groups": len(engine.optimizer.param_groups),
-        "global_steps": engine.global_steps,
+        "param_groups": len(sharded.optimizer.param_groups),
+        "global_steps": sharded.counters.global_steps,
         "config": cfg.to_dict(),
-        "model": model_signature(engine),
+        "model": model_signature(sharded),
         "ranks": ranks,
     }
 
@@ -149,9 +151,20 @@ def verify_files(ckpt_dir: str, manifest: dict[str, Any], ranks: Optional[list[i
                 )
 
 
-def check_compatible(saved: dict[str, Any], engine: Any) -> None:
-    """Raise ValueError naming the first difference between the saved model and `engine`'s."""
-    mine = model_signature(engine)
+def records_by_rank(ckpt_dir: str, manifest: dict[str, Any]) -> list[tuple[str, dict]]:
+    """Per saved rank, in rank order: the path of its shard file and its tensor records by
+    (unit index, tensor name), as `shards.assemble_jobs` takes them."""
+    out = []
+    for entry in manifest["ranks"]:
+        shards = entry["shards"]
+        by_key = {(r["unit"], r["name"]): r for r in shards["tensors"]}
+        out.append((os.path.join(ckpt_dir, shards["file"]), by_key))
+    return out
+
+
+def check_compatible(saved: dict[str, Any], sharded: ShardedState) -> None:
+    """Raise ValueError naming the first difference between the saved model and `sharded`'s."""
+    mine = model_signature(sharded)
     old = {s["name"]: (u["name"], s) for u in saved["model"]["units"] for s in u["slots"]}
     new = {s["name"]: (u["name"], s) for u in mine["units"] for s in u["slots"]}
     for name, (unit, s) in new.items():
@@ -186,8 +199,8 @@ def check_compatible(saved: dict[str, Any], engine: Any) -> None:
                 f"{s['offset']} in group {s['group']} here: build the optimizer param groups "
                 "the way the saving run did"
             )
-    if saved["param_groups"] != len(engine.optimizer.param_groups):
+    if saved["param_groups"] != len(sharded.optimizer.param_groups):
         raise ValueError(
             f"checkpoint has {saved['param_groups']} optimizer param groups, this engine "
-            f"{len(engine.optimizer.param_groups)}"
+            f"{len(sharded.optimizer.param_groups)}"
         )

@@ -40,14 +40,15 @@ import torch
 import torch.distributed as dist
 
 from offload.checkpoint import files, manifest
-from offload.checkpoint.load import _state_in_host_memory
+from offload.checkpoint.load import state_in_host_memory
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, Staging
+from offload.runtime.view import Location, ShardedState
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(
-    engine: Any,
+    sharded: ShardedState,
     save_dir: str,
     tag: Optional[str] = None,
     client_state: Optional[dict[str, Any]] = None,
@@ -55,18 +56,19 @@ def save_checkpoint(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     window: int = DEFAULT_WINDOW,
 ) -> str:
-    """Write a checkpoint of `engine` to `save_dir/<tag>` and point `save_dir/latest` at it.
-    Every rank must call it. Returns the checkpoint's path. See the module docstring."""
+    """Write a checkpoint of `sharded` (the engine's state) to `save_dir/<tag>` and point
+    `save_dir/latest` at it. Every rank must call it. Returns the checkpoint's path. See the
+    module docstring."""
     save_dir = os.fspath(save_dir)
-    tag = files.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    if any(st.grad_valid for st in engine.states):
+    tag = files.check_tag(tag if tag is not None else f"global_step{sharded.counters.global_steps}")
+    if any(st.grad_valid for st in sharded.states):
         raise RuntimeError(
             "save_checkpoint called between micro-batches of an accumulation step: the "
             "accumulated gradients are not part of a checkpoint; save after engine.step() "
             "at an accumulation boundary"
         )
-    engine._sync_device()
-    rank = engine.rank
+    sharded.sync_device()
+    rank = sharded.rank
 
     # 1. Rank 0 names the temporary directory (and clears what killed saves left); every
     #    rank makes it under its own save_dir, so node-local directories work as well as a
@@ -79,11 +81,11 @@ def save_checkpoint(
             prep = ("ok", os.path.basename(files.new_temp_dir(save_dir, tag)))
         except OSError as exc:
             prep = ("error", _describe(exc, f"cannot create a checkpoint in {save_dir!r}"))
-    prep = _broadcast(engine, prep)
+    prep = _broadcast(sharded, prep)
     if prep[0] != "ok":
         raise _as_oserror(prep[1])
     tmp = os.path.join(save_dir, prep[1])
-    leader = rank != 0 and _local_rank(engine) == 0
+    leader = rank != 0 and _local_rank(sharded) == 0
     if rank != 0:
         try:
             os.makedirs(tmp, exist_ok=True)  # a no-op on a directory shared with rank 0
@@ -96,11 +98,11 @@ def save_checkpoint(
     outcome: Any
     own_error: Optional[BaseException] = None
     try:
-        outcome = ("ok", _write_rank(engine, tmp, client_state, chunk_bytes, window))
+        outcome = ("ok", _write_rank(sharded, tmp, client_state, chunk_bytes, window))
     except BaseException as exc:
         own_error = exc
         outcome = ("error", _describe(exc, f"rank {rank} failed writing checkpoint {tag!r}"))
-    outcomes = _gather(engine, outcome)
+    outcomes = _gather(sharded, outcome)
     failed = [o[1] for o in outcomes if o[0] != "ok"]
 
     # 3. Rank 0 writes the manifest and publishes; everyone learns the outcome (and the
@@ -112,7 +114,7 @@ def save_checkpoint(
             status = ("error", failed[0])
         else:
             try:
-                m = manifest.build(engine, tag, chunk_bytes, [o[1] for o in outcomes])
+                m = manifest.build(sharded, tag, chunk_bytes, [o[1] for o in outcomes])
                 data = manifest.dumps(m)
                 files.write_file_durably(os.path.join(tmp, files.MANIFEST), data)
                 files.fsync_path(tmp)
@@ -127,7 +129,7 @@ def save_checkpoint(
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    status = _broadcast(engine, status)
+    status = _broadcast(sharded, status)
     if status[0] != "ok":
         if os.path.isdir(tmp):  # this node's part of the failed save
             import shutil
@@ -151,7 +153,7 @@ def save_checkpoint(
         except OSError as exc:
             published = ("error", _describe(exc, f"rank {rank} failed publishing checkpoint {tag!r} "
                                                  "in its node's directory"))
-    published_all = _gather(engine, published)
+    published_all = _gather(sharded, published)
     bad = [p[1] for p in published_all if p[0] != "ok"]
     if bad:
         raise _as_oserror(bad[0])
@@ -159,18 +161,19 @@ def save_checkpoint(
 
 
 def _write_rank(
-    engine: Any, tmp: str, client_state: Any, chunk_bytes: int, window: int
+    sharded: ShardedState, tmp: str, client_state: Any, chunk_bytes: int, window: int
 ) -> dict[str, Any]:
-    rank = engine.rank
+    """This rank's two files in `tmp`; returns their records for the manifest."""
+    rank = sharded.rank
     shards_path = os.path.join(tmp, files.shard_file(rank))
-    staging = Staging.of(engine, engine.config.aio, files.io_delay_s(), chunk_bytes, window)
+    staging = Staging.of(sharded.optimizer, sharded.config.aio, files.io_delay_s(), chunk_bytes, window)
     writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
     # NVMe: read the next unit's state from the swap file while this one is written.
-    states = _UnitStates(engine.optimizer, ahead=not _state_in_host_memory(engine))
+    states = _UnitStates(sharded.optimizer, ahead=not state_in_host_memory(sharded))
     slot_steps: dict[int, list[int]] = {}
     try:
-        writer.preallocate(_shards_bytes(engine))
-        indices = [unit.index for unit in engine.units]
+        writer.preallocate(_shards_bytes(sharded))
+        indices = [unit.index for unit in sharded.units]
         for i, index in enumerate(indices):
             state = states.open(index, writer, following=indices[i + 1 : i + 2])
             for name in _STATE_KEYS:
@@ -186,7 +189,7 @@ def _write_rank(
         raise
     finally:
         states.close_all()
-    state_bytes = _state_bytes(engine, client_state, slot_steps)
+    state_bytes = _state_bytes(sharded, client_state, slot_steps)
     state_path = os.path.join(tmp, files.state_file(rank))
     files.write_file_durably(state_path, state_bytes)
     return {
@@ -277,40 +280,44 @@ class _UnitStates:
             self._pool.shutdown(wait=True)
 
 
-def _shards_bytes(engine: Any) -> int:
+def _shards_bytes(sharded: ShardedState) -> int:
     """The size of this rank's shard file: per unit, the master and the two moments, each
     rounded up to 4 KiB (ShardWriter's layout)."""
-    from offload.storage.io import align_up
     from offload.optim.sharded import moments_dtype
+    from offload.sizes import align_up
 
-    m_size = torch.empty((), dtype=moments_dtype(engine.config.optimizer.moments_dtype)).element_size()
+    m_size = moments_dtype(sharded.config.optimizer.moments_dtype).itemsize
     total = 0
-    for unit in engine.units:
+    for unit in sharded.units:
         layout = unit.layout
         total += align_up(layout.shard_numel * 4)
-        total += 2 * align_up(layout.shard_optimized_numel(engine.rank) * m_size)
+        total += 2 * align_up(layout.shard_optimized_numel(sharded.rank) * m_size)
     return total
 
 
-def _state_bytes(engine: Any, client_state: Any, slot_steps: dict[int, list[int]]) -> bytes:
-    opt = engine.optimizer
-    names = {u.index: [s.name for s in u.layout.slots] for u in engine.units}
+def _state_bytes(sharded: ShardedState, client_state: Any, slot_steps: dict[int, list[int]]) -> bytes:
+    """The rank's small state (`rankNNNNN.state`) as `torch.save` bytes."""
+    opt = sharded.optimizer
+    names = {u.index: [s.name for s in u.layout.slots] for u in sharded.units}
     buffers, extra = {}, {}
-    for key, (kind, what) in engine._sd_index:
-        if kind == "buffer":
-            dtype = engine._buffer_dtypes.get(id(what), what.dtype)
-            buffers[key] = what.detach().to("cpu", dtype=dtype, copy=True)
-        elif kind == "other":
-            extra[key] = what
+    for entry in sharded.state_dict_index:
+        if entry.location is Location.BUFFER:
+            buffer = entry.where
+            dtype = sharded.buffer_dtypes.get(id(buffer), buffer.dtype)
+            buffers[entry.key] = buffer.detach().to("cpu", dtype=dtype, copy=True)
+        elif entry.location is Location.OTHER:
+            extra[entry.key] = entry.where
+    counters = sharded.counters
+    scheduler = sharded.lr_scheduler
     state = {
-        "rank": engine.rank,
-        "world_size": engine.world_size,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
-        "last_grad_norm": engine.last_grad_norm,
-        "loss_scaler": engine.scaler.state_dict(),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "rank": sharded.rank,
+        "world_size": sharded.world_size,
+        "global_steps": counters.global_steps,
+        "micro_steps": counters.micro_steps,
+        "skipped_steps": counters.skipped_steps,
+        "last_grad_norm": counters.last_grad_norm,
+        "loss_scaler": sharded.scaler.state_dict(),
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         # by parameter name, so a load with another layout or world size maps them
         "slot_steps": {
@@ -344,31 +351,31 @@ def rng_state() -> dict[str, Any]:
 # -- collectives (no-ops at world size 1) -------------------------------------------------------
 
 
-def _broadcast(engine: Any, obj: Any) -> Any:
-    if engine.world_size == 1:
+def _broadcast(sharded: ShardedState, obj: Any) -> Any:
+    if sharded.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=engine.pg.group)
+    dist.broadcast_object_list(box, src=0, group=sharded.pg.group)
     return box[0]
 
 
-def _gather(engine: Any, obj: Any) -> list[Any]:
-    if engine.world_size == 1:
+def _gather(sharded: ShardedState, obj: Any) -> list[Any]:
+    if sharded.world_size == 1:
         return [obj]
-    out: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(out, obj, group=engine.pg.group)
+    out: list[Any] = [None] * sharded.world_size
+    dist.all_gather_object(out, obj, group=sharded.pg.group)
     return out
 
 
-def _local_rank(engine: Any) -> int:
+def _local_rank(sharded: ShardedState) -> int:
     """This rank's index on its node (torchrun's LOCAL_RANK; without it, one node)."""
     local = os.environ.get("LOCAL_RANK", "")
-    return int(local) if local.isdigit() else engine.rank
+    return int(local) if local.isdigit() else sharded.rank
 
 
-def barrier(engine: Any) -> None:
-    if engine.world_size > 1:
-        dist.barrier(group=engine.pg.group)
+def barrier(sharded: ShardedState) -> None:
+    if sharded.world_size > 1:
+        dist.barrier(group=sharded.pg.group)
 
 
 def _describe(exc: BaseException, what: str) -> tuple[int, str, Optional[str]]:

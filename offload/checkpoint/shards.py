@@ -46,7 +46,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from offload.storage.io import ALIGNMENT, AIOHandle, align_up
+from offload.dtypes import from_name, name_of
+from offload.sizes import ALIGNMENT, align_up
+from offload.storage.io import AIOHandle
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """Bytes per chunk: large enough that one request keeps the disk's queue full (16 blocks of
@@ -61,18 +63,17 @@ DEFAULT_WORKERS = 2
 checksums it, so staging copies and CRCs of different chunks run side by side, off the
 caller's thread."""
 
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a shard file holds: the fp32 master, moments in fp32 or bf16
+(`optimizer.moments_dtype`); float16 is accepted too. A record names its dtype as
+`offload.dtypes.name_of` does ('bfloat16') and is read back with `from_name`."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"checkpoints store float32/bfloat16/float16 state, got {dtype}")
+    """A record's name for `dtype`; only `STATE_DTYPES` are stored."""
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"checkpoints store float32/bfloat16/float16 state, got {dtype}")
+    return name_of(dtype)
 
 
 class CheckpointCorruptError(OSError):
@@ -141,7 +142,9 @@ class Staging:
     Made on first use and reused: a fresh ring costs a page fault per 4 KiB on its first
     fill (measured: a save of 0.19 GB took 0.6 s with fresh buffers, most of it faulting
     them in), and a fresh handle starts and stops its worker threads. Dropped with its owner
-    (a weak reference), or by `release`.
+    (a weak reference), or by `release`. Checkpoints make the engine's optimizer
+    (`ShardedState.optimizer`) the owner: it lives exactly as long as the engine, and is
+    hashable, which the view itself (a dataclass that compares by value) is not.
     """
 
     _by_owner: "weakref.WeakKeyDictionary[Any, Staging]"
@@ -395,7 +398,7 @@ def chunk_jobs(
 ) -> list[ReadJob]:
     """Jobs that put elements [lo, hi) of the tensor `record` describes into `dest`
     (dest.numel() == hi - lo)."""
-    dtype = DTYPES[record["dtype"]]
+    dtype = from_name(record["dtype"])
     es = torch.empty((), dtype=dtype).element_size()
     if not 0 <= lo <= hi <= record["numel"]:
         raise ValueError(f"range [{lo}, {hi}) outside the saved tensor of {record['numel']} elements")
@@ -426,6 +429,38 @@ def chunk_jobs(
                 and part.data_ptr() % ALIGNMENT == 0
             ),
         ))
+    return jobs
+
+
+def assemble_jobs(
+    records: list[tuple[str, dict]], saved_unit: dict[str, Any], name: str, lo: int,
+    dest: torch.Tensor, chunk_bytes: int, tag: Any = None,
+) -> list[ReadJob]:
+    """Jobs that fill `dest` with the flat elements [lo, lo + dest.numel()) of the saved
+    unit's tensor `name` ('master', 'exp_avg', 'exp_avg_sq'), from every saved rank whose
+    part of the unit overlaps that range: one rank when the world size is unchanged, any
+    number when re-sharding (docs/checkpoint.md, Another world size).
+
+    `records` is `manifest.records_by_rank`'s list, `saved_unit` the manifest's entry for
+    the unit. Elements no saved rank holds (the padding of a larger layout, moments past
+    the optimized prefix) are zeroed here, as in a fresh engine, since `dest` may start
+    uninitialised; the rest arrive when the jobs run (`ShardReader.run`)."""
+    hi = lo + dest.numel()
+    saved_shard = saved_unit["shard_numel"]
+    jobs: list[ReadJob] = []
+    spans = []
+    for r, (path, by_key) in enumerate(records):
+        record = by_key[(saved_unit["index"], name)]
+        start = r * saved_shard
+        a, b = max(lo, start), min(hi, start + record["numel"])
+        if a < b:
+            jobs += chunk_jobs(record, path, chunk_bytes, a - start, b - start, dest[a - lo : b - lo], tag)
+            spans.append((a - lo, b - lo))
+    pos = 0
+    for a, b in sorted(spans) + [(dest.numel(), dest.numel())]:
+        if a > pos:
+            dest[pos:a].zero_()
+        pos = max(pos, b)
     return jobs
 
 

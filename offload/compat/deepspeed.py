@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 import offload
-from offload.config import Config, load_config
+from offload.config import Config, load_config, read_config_file
+from offload.dtypes import DTYPES
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
            "is_compile_supported"]
@@ -200,9 +201,7 @@ def _raw(config: Any) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
     if isinstance(config, (str, os.PathLike)):
-        from offload.config.sections import _read_file
-
-        return _read_file(config)
+        return read_config_file(config)
     return {}
 
 
@@ -443,7 +442,9 @@ class DeepSpeedEngine:
         sd = self.engine.full_state_dict()
         if self.global_rank != 0:
             return True
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.precision.dtype)
+        # fp32 weights are written as they are; bf16/fp16 ones cast to the compute dtype.
+        precision = self.config.precision.dtype
+        dtype = None if precision == "fp32" else DTYPES[precision]
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}

@@ -2,26 +2,28 @@
 
 `load_config` takes an `offload.Config`, a dict, a JSON/YAML file, ours or DeepSpeed's;
 everything past it sees only the typed dataclasses of `offload.config.sections`.
+
+Modules, bottom to top: `checks` (errors, value checks, the `Section` base) -> `deepspeed_keys`
+(DeepSpeed's top-level keys by kind) -> `sections` (the dataclasses) -> `deepspeed_zero`,
+`deepspeed` (the DeepSpeed translation) -> `load` (`load_config`, files, format detection).
 """
 
+from offload.config.checks import ConfigError, ConfigTypeError, DeepSpeedConfigWarning
+from offload.config.load import load_config, read_config_file
 from offload.config.sections import (
     SCHEDULER_PARAMS,
     AIOConfig,
     Config,
-    ConfigError,
-    ConfigTypeError,
-    DeepSpeedConfigWarning,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     PrefetchConfig,
     SchedulerConfig,
     TimelineConfig,
-    load_config,
 )
 
 __all__ = [
     "Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "PrecisionConfig",
     "AIOConfig", "PrefetchConfig", "TimelineConfig", "ConfigError", "ConfigTypeError",
-    "DeepSpeedConfigWarning", "load_config", "SCHEDULER_PARAMS",
+    "DeepSpeedConfigWarning", "load_config", "read_config_file", "SCHEDULER_PARAMS",
 ]

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from offload.storage.io import align_up
+from offload.sizes import ALIGNMENT, align_up
 from offload.optim.functional import adam_step_flat
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
@@ -54,8 +54,6 @@ def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_state_bytes(nbytes: int) -> int:
     """Host bytes `host_state_zeros` holds for a tensor of `nbytes` (for the planner)."""
-    from offload.storage.io import ALIGNMENT
-
     return nbytes if nbytes < HOST_STATE_ALIGN_MIN_BYTES else nbytes + ALIGNMENT
 
 
@@ -137,7 +135,8 @@ class ShardedAdam(torch.optim.Optimizer):
         super().__init__(param_groups, defaults)
         self.unit_states = states
         self.store = store if store is not None else HostOptimizerStates(states)
-        """Where master and moments live (`offload.storage.optim_state`): 'host' or 'nvme'."""
+        """Where master and moments live (`offload.storage.optim_state`): host memory
+        (`store.resident`) or a swap file on NVMe."""
         self.decoupled_weight_decay = decoupled_weight_decay
         self.rank = rank
         self.param_tier = param_tier
@@ -191,7 +190,10 @@ class ShardedAdam(torch.optim.Optimizer):
         return True
 
     def prefetch_units(self, indices: Any) -> None:
-        """Start reading these units' state (NVMe) where buffers are free without waiting."""
+        """Start reading these units' state (NVMe) where buffers are free without waiting;
+        nothing (and at no cost) when the state is in host memory."""
+        if self.store.resident:
+            return
         work = set(self._work())
         self.store.prefetch([i for i in indices if i in work], self._scratch_bytes, limit=len(indices))
 
@@ -243,9 +245,10 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _scratch_bytes(self, index: int) -> int:
         """Pooled bytes the step needs beside unit `index`'s state: its new low-precision
-        shard, when the parameter tier is NVMe (written from there without a copy)."""
+        shard, when the parameter tier is not addressable (NVMe: the shard is written from
+        there without a copy)."""
         unit = self.unit_states[index].unit
-        if self.param_tier.kind != "nvme" or unit.dtype == torch.float32:
+        if self.param_tier.addressable or unit.dtype == torch.float32:
             return 0
         return align_up(unit.layout.shard_numel * unit.full.element_size())
 
@@ -334,13 +337,13 @@ class ShardedAdam(torch.optim.Optimizer):
             for name in want:
                 getattr(t, name).copy_(state[name])
             st.slot_steps = [int(s) for s in state["slot_steps"]]
-            _publish_master(self, st, t.master)
+            st.unit.publish(t.master)
 
     def begin_overwrite(self, index: int) -> Optional[UnitTensors]:
         """For a loader that fills unit `index`'s whole state itself: the tensors to fill
         (pooled, laid out as the NVMe slot, so reads land there and one write stores them),
         or None when the store keeps the state in host memory (use `unit_state`)."""
-        if self.store.kind == "host":
+        if self.store.resident:
             return None
         return self.store.checkout_overwrite(self._state_of(index).unit.index)
 
@@ -359,7 +362,7 @@ class ShardedAdam(torch.optim.Optimizer):
             raise ValueError(f"unit {st.unit.name or '<root>'}: {len(slot_steps)} step counts for {len(st.slot_steps)} slots")
         st.slot_steps = [int(v) for v in slot_steps]
         try:
-            _publish_master(self, st, t.master)
+            st.unit.publish(t.master)
         except BaseException:
             self.store.abandon(st.unit.index, t)
             raise
@@ -377,6 +380,12 @@ class ShardedAdam(torch.optim.Optimizer):
                 return st
         raise KeyError(f"no unit with index {index} (this engine has {len(self.unit_states)} units)")
 
+    @property
+    def staging_buffer(self) -> Optional[torch.Tensor]:
+        """The host buffer new low-precision shards are staged in before they go to a
+        device tier (None until first needed): counted by the engine's accounting."""
+        return self._staging
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the shards and are cleared by `engine.step()` at each boundary;
         calling this between micro-batches discards the accumulated ones."""
@@ -393,7 +402,7 @@ class ShardedAdam(torch.optim.Optimizer):
         for g in self.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params"})
         state = {}
-        copy = self.store.kind != "host"
+        copy = not self.store.resident
         for st in self.unit_states:
             with self.store.open(st.unit.index) as t:
                 state[st.unit.index] = {
@@ -414,15 +423,6 @@ class ShardedAdam(torch.optim.Optimizer):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         for idx, s in state_dict["state"].items():
             self.load_unit_state(int(idx), s)
-
-
-def _publish_master(opt: ShardedAdam, st: UnitOptimizerState, master: torch.Tensor) -> None:
-    """Write the parameter shard from the fp32 master (after loading weights)."""
-    unit = st.unit
-    shard = opt.param_tier.view(unit.key)
-    if shard is not None and shard.data_ptr() == master.data_ptr():
-        return
-    wait(opt.param_tier.store(unit.key, master.to(unit.dtype)))
 
 
 def _is_shard(tier: Tier, st: UnitOptimizerState, t: torch.Tensor) -> bool:

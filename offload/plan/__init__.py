@@ -1,16 +1,13 @@
 """The memory planner: where a model's training state should live on a machine
-(docs/plan.md). `python -m offload.plan --help` for the command line."""
+(docs/plan.md). `python -m offload.plan --help` for the command line.
 
-from offload.plan.planner import (
-    Machine,
-    Plan,
-    machine_from_system,
-    make_machine,
-    parse_bytes,
-    parse_count,
-    plan,
-    resolve_placement,
-)
+machine.py: the machine and its reserves; tier_bytes.py: bytes per tier for one placement, by
+the engine's rules; planner.py: every placement, the plan, `placement='auto'`; cli.py: the
+command line."""
+
+from offload.plan.machine import Machine, machine_from_system, make_machine
+from offload.plan.planner import Plan, plan, resolve_placement
+from offload.sizes import parse_bytes, parse_count  # re-exported: older callers import them here
 
 __all__ = ["Machine", "Plan", "plan", "make_machine", "machine_from_system", "resolve_placement",
            "parse_bytes", "parse_count"]

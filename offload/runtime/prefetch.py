@@ -1,13 +1,15 @@
 """Fetching units' shards ahead of use, as the schedule (offload.runtime.schedule) says.
 
 The prefetcher holds what was fetched ahead and hands it to the gather; what a fetch is
-depends on where the shard lives, which the tier says (`offload.storage.tiers`), never on
-which tier it is.
+depends on where the shard lives, which the tier says (`offload.storage.tiers`: `addressable`,
+`device`, `fetch_ahead`), never on which tier it is. It hears nothing from below: a buffer
+the pinned pool took back, or a shard stored since its fetch, shows as an entry that is no
+longer `live()` when the prefetcher next looks, and is dropped as if never started.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -19,17 +21,20 @@ __all__ = ["Prefetcher"]
 class Prefetcher:
     """Fetches units' shards ahead of use, per tier, and hands them to the gather.
 
-    - NVMe parameter tier: the shard's read is submitted into a pooled staging buffer
-      (`NVMeTier.read_ahead`); the gather waits for it (the wait is stall time) and copies
+    - A tier that is not addressable (NVMe): the shard comes into a pooled host buffer
+      (`tier.fetch_ahead`: a read submitted on the I/O threads, or the copy the tier kept at
+      the shard's last store); the gather waits for it (the wait is stall time) and copies
       it into its slot of the full buffer.
-    - Host tier with a CUDA compute device: the unit's full buffer is allocated and the
-      shard copied into its slot on a side stream; the gather makes the compute stream wait
-      for the copy's event (see `_CudaCopy`).
-    - Device tier, or host tier with CPU compute: the shard is already addressable where
-      compute runs; nothing to fetch ahead (`start` returns False).
+    - An addressable tier in host memory with a CUDA compute device: the unit's full buffer
+      is allocated and the shard copied into its slot on a side stream; the gather makes the
+      compute stream wait for the copy's event (see `_CudaCopy`).
+    - An addressable tier where compute runs (the device tier, or host memory with CPU
+      compute): the shard is already there; nothing to fetch ahead (`start` returns False).
 
-    Entries are dropped (buffer back to the pool) at the end of every iteration and when the
-    staging pool needs room (`reclaim`, registered with `Staging.reclaimers`).
+    Entries are dropped (buffer back to the pool) at the end of every iteration. Buffers
+    read ahead are leases the pinned pool may revoke when it needs room ([Note: evictable
+    leases] in offload/storage/nvme.py), and the tier revokes them when their shard is stored
+    again; a revoked entry is forgotten when next looked at, and its unit fetched on demand.
     """
 
     def __init__(self, units: Sequence[Any], tier: Any, timeline: Timeline) -> None:
@@ -37,32 +42,41 @@ class Prefetcher:
         self.tier = tier
         self.timeline = timeline
         self.pending: dict[int, Any] = {}
-        self.write_through: frozenset[int] = frozenset()
-        """Units whose next store is kept as a ready entry (the next iteration's first)."""
+        self._write_through: frozenset[int] = frozenset()
         self._stream: Any = None
         device = units[0].device if units else torch.device("cpu")
         self.mode = "none"
-        self._unit_of = {u.key: u.index for u in units}
-        if tier.kind == "nvme":
-            self.mode = "nvme"
-            tier.store_listeners.append(self._on_store)
-        elif tier.kind == "host" and device.type == "cuda":
+        """'read' (into a pooled buffer), 'cuda_copy' (into the unit's slot) or 'none'."""
+        if not tier.addressable:
+            self.mode = "read"
+        elif tier.device.type == "cpu" and device.type == "cuda":
             self.mode = "cuda_copy"
             self._stream = torch.cuda.Stream(device)
+
+    @property
+    def write_through(self) -> frozenset[int]:
+        """Units whose next store the tier keeps a pooled copy of (the next iteration's
+        first), handed out as a ready entry instead of a read."""
+        return self._write_through
+
+    @write_through.setter
+    def write_through(self, indices: Iterable[int]) -> None:
+        self._write_through = frozenset(indices)
+        self.tier.keep_after_store(self.units[i].key for i in self._write_through)
 
     def start(self, index: int) -> bool:
         """Begin fetching unit `index` ahead; False when nothing was started (nothing to
         fetch for this tier, already started or gathered, or no buffer free right now)."""
-        if self.mode == "none" or index in self.pending:
+        if self.mode == "none" or self._live(index) is not None:
             return False
         unit = self.units[index]
         if unit.is_gathered:
             return False
-        if self.mode == "nvme":
-            entry = self.tier.read_ahead(unit.key, block=False)
-            if entry is None:
+        if self.mode == "read":
+            what = self.tier.fetch_ahead(unit.key, block=False)
+            if what is None:
                 return False
-            self.pending[index] = _Entry(entry, now())
+            self.pending[index] = _Entry(what, now())
             return True
         self.pending[index] = _Entry(_CudaCopy(unit, self._stream), now())
         return True
@@ -72,7 +86,7 @@ class Prefetcher:
         and stopping at the first that cannot start now (no buffer, or nothing to fetch for
         this tier): the rest are fetched later or on demand, never out of order."""
         for index in indices:
-            if index in self.pending or self.units[index].is_gathered:
+            if self._live(index) is not None or self.units[index].is_gathered:
                 continue
             if not self.start(index):
                 break
@@ -83,70 +97,80 @@ class Prefetcher:
         if not self.timeline.enabled:
             return
         t = now()
-        for e in self.pending.values():
-            if e.done_at is None and e.done():
+        for i in list(self.pending):
+            e = self._live(i)
+            if e is not None and e.done_at is None and e.done():
                 e.done_at = t
 
     def take(self, index: int) -> Optional["_Entry"]:
-        """The entry started for unit `index` (the caller consumes it), or None."""
-        return self.pending.pop(index, None)
+        """The entry started for unit `index`, or the copy the tier kept at its last store;
+        the caller consumes it (it is no longer revocable). None when there is neither."""
+        entry = self._live(index)
+        if entry is not None:
+            del self.pending[index]
+        elif self.mode == "read":
+            what = self.tier.take_held(self.units[index].key)
+            entry = None if what is None else _Entry(what, now())
+        if entry is None or not entry.claim():
+            return None
+        return entry
 
     def fetch_now(self, index: int) -> Optional["_Entry"]:
         """An on-demand fetch through the same path (NVMe: a blocking buffer acquire), so
         the engine measures the wait the same way; None for tiers gathered in place."""
-        if self.mode != "nvme":
+        if self.mode != "read":
             return None
-        entry = self.tier.read_ahead(self.units[index].key, block=True)
-        return _Entry(entry, now())
+        what = self.tier.fetch_ahead(self.units[index].key, block=True)
+        return _Entry(what, now())
 
     def drop(self, index: Optional[int] = None, keep_fresh: bool = False) -> None:
         """Forget fetches started ahead (all, or unit `index`'s), giving buffers back.
-        `keep_fresh`: keep entries made from a store of this step (`_on_store`), which stay
-        valid until the unit's shard is stored again."""
+        `keep_fresh`: keep the copies the tier kept of this step's stores (`write_through`),
+        taken or not, which stay valid until the unit's shard is stored again; without it
+        the tier gives those back too."""
         for i in list(self.pending) if index is None else [index]:
             e = self.pending.get(i)
-            if e is None or (keep_fresh and e.fresh):
+            if e is None or (keep_fresh and e.fresh and e.live()):
                 continue
             del self.pending[i]
             e.drop()
+        if not keep_fresh:
+            self.tier.release_held(None if index is None else self.units[index].key)
 
-    def _on_store(self, key: Any, src: torch.Tensor) -> None:
-        """The tier stored a new shard: any copy of the old one is stale; for a unit the
-        next iteration starts with, keep the new bytes as a ready entry."""
-        index = self._unit_of.get(key)
-        if index is None:
-            return
-        self.drop(index)
-        if index in self.write_through and src.device.type == "cpu":
-            what = self.tier.hold_copy(key, src)
-            if what is not None:
-                entry = _Entry(what, now())
-                entry.fresh = True
-                entry.done_at = entry.started
-                self.pending[index] = entry
-
-    def reclaim(self) -> bool:
-        """`Staging.reclaimers` hook: drop every NVMe fetch in flight; True if any was."""
-        if self.mode != "nvme" or not self.pending:
-            return False
-        self.drop()
-        return True
+    def _live(self, index: int) -> Optional["_Entry"]:
+        """Unit `index`'s entry, if it still holds its buffer (one the pool or a store took
+        back is forgotten here)."""
+        e = self.pending.get(index)
+        if e is not None and not e.live():
+            del self.pending[index]
+            e.drop()
+            return None
+        return e
 
 
 class _Entry:
-    """One fetch in flight: `what` is a `ReadAhead` (NVMe) or a `_CudaCopy`; `started` is
-    when it was issued (the timeline's read/copy span begins there)."""
+    """One fetch in flight: `what` is the tier's `ReadAhead` or a `_CudaCopy`; `started` is
+    when it was issued (the timeline's read/copy span begins there); `fresh`: a copy kept at
+    a store, complete from the start."""
 
     __slots__ = ("what", "started", "done_at", "fresh")
 
     def __init__(self, what: Any, started: float) -> None:
         self.what = what
         self.started = started
-        self.done_at: Optional[float] = None
-        self.fresh = False
+        self.fresh = bool(what.fresh)
+        self.done_at: Optional[float] = started if self.fresh else None
 
     def done(self) -> bool:
         return self.what.done()
+
+    def live(self) -> bool:
+        """Whether it still holds its bytes (False: taken back; fetch again)."""
+        return self.what.live()
+
+    def claim(self) -> bool:
+        """Hold on to it for the gather (no longer revocable); False if already taken back."""
+        return self.what.claim()
 
     @property
     def label(self) -> str:
@@ -193,6 +217,14 @@ class _CudaCopy:
             self.event.record(stream)
 
     label = "copy"
+    fresh = False
+
+    def live(self) -> bool:
+        """Always: nobody takes a device buffer back."""
+        return True
+
+    def claim(self) -> bool:
+        return True
 
     def done(self) -> bool:
         """Whether the copy has finished on its stream (never blocks)."""

@@ -32,23 +32,28 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 
 from offload._native import C
+from offload.sizes import ALIGNMENT, align_up
 
 __all__ = [
-    "ALIGNMENT",
     "AIOHandle",
     "IORequest",
     "BufferPool",
     "ShortReadError",
     "BufferedIOWarning",
     "aligned_empty",
-    "align_up",
     "is_fast_path",
     "probe_direct_io",
     "wait_all",
 ]
 
-ALIGNMENT: int = int(C.AIO_ALIGNMENT)
-"""Bytes: O_DIRECT alignment of buffer addresses, file offsets and lengths (4096)."""
+# One alignment for the project (offload.sizes.ALIGNMENT): the native engine splits and
+# checks requests by its own compiled-in constant, so the two must agree.
+if int(C.AIO_ALIGNMENT) != ALIGNMENT:
+    raise ImportError(
+        f"offload's native I/O engine was built with AIO_ALIGNMENT = {int(C.AIO_ALIGNMENT)} but "
+        f"offload.sizes.ALIGNMENT is {ALIGNMENT}; rebuild the extension from this source tree "
+        "(pip install -e .)"
+    )
 
 HUGE_PAGE_MIN_BYTES: int = 4 << 20
 """Bytes: unpinned ``aligned_empty`` buffers this large ask for transparent huge pages."""
@@ -65,14 +70,7 @@ class BufferedIOWarning(RuntimeWarning):
 
 
 # --------------------------------------------------------------------------------------------
-# Layout arithmetic (pure functions)
-
-
-def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    """``nbytes`` rounded up to a multiple of ``alignment``."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return -(-nbytes // alignment) * alignment
+# Layout arithmetic (pure functions; align_up is offload.sizes')
 
 
 def is_fast_path(address: int, offset: int, nbytes: int) -> bool:

@@ -1,5 +1,5 @@
 """What the two NVMe tiers share: the swap directory, one AIO handle, one pinned staging pool,
-and the writes in flight.
+the writes in flight, and the buffers lent ahead of need.
 
 The parameter tier (`offload.storage.tiers.NVMeTier`) and the optimizer-state store
 (`offload.storage.optim_state.NVMeOptimizerStates`) each own one swap file in the rank's
@@ -19,9 +19,23 @@ Buffers come from one `BufferPool` whose budget counts every byte it holds. The 
 one thread, so a blocking `acquire` while that thread's own unwaited writes hold the budget
 would never return. `Staging.acquire` therefore never blocks on the pool: when it is full it
 waits for the oldest write in flight (whose buffer then goes back) and tries again; with no
-write left to wait for, the budget is too small for what is held, and that is an error that
-says so. `initialize` checks that one unit's working set fits the budget, so the pipeline,
-which holds nothing else when it needs a unit's buffer, always gets one.
+write left to wait for, it takes back the buffers lent ahead of need ([Note: evictable
+leases]); with none of those either, the budget is too small for what is held, and that is
+an error that says so. `initialize` checks that one unit's working set fits the budget, so
+the pipeline, which holds nothing else when it needs a unit's buffer, always gets one.
+
+[Note: evictable leases]
+Some buffers are taken ahead of need: a parameter shard read ahead of its gather, a copy of
+a just-stored shard kept for the next forward, a unit's optimizer state read ahead of its
+update. Each is only an optimisation, so the pool hands them out as leases (`Staging.lease`)
+that it may take back: when `acquire` finds the pool full and no write in flight to wait
+for, it revokes every lease it tracks (waiting first for the read into each to land) and
+tries again. Nothing is called back: the holder finds its lease `REVOKED` when it next looks
+and treats what it had as never fetched (fetched on demand instead). A holder that starts
+using the bytes (a gather copying from them, an update reading them) `claim`s the lease
+first: from then on it is an ordinary buffer the pool no longer takes back. Revoking all
+rather than just enough keeps the rule simple and matches what a full pool says: prefetch
+ran ahead of the budget, and whatever it holds is the least needed.
 
 [Note: held files]
 A checkpoint load may leave a unit's optimizer state where it is, in the checkpoint's shard
@@ -39,6 +53,7 @@ rewrote the unit does not wait for it.
 from __future__ import annotations
 
 import collections
+import enum
 import os
 import threading
 import time
@@ -50,7 +65,7 @@ import torch
 from offload.storage.io import AIOHandle, BufferPool
 from offload.storage.swap import SwapDirectory
 
-__all__ = ["Pending", "Staging", "NVMeContext", "IOStats", "HeldFiles"]
+__all__ = ["Pending", "Staging", "Lease", "LeaseState", "NVMeContext", "IOStats", "HeldFiles"]
 
 
 class Pending:
@@ -125,33 +140,106 @@ class IOStats:
         return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "wait_s": self.wait_s}
 
 
-class Staging:
-    """The pinned staging pool plus the writes in flight that hold its buffers.
+class LeaseState(enum.Enum):
+    """Where a `Lease`'s buffer is ([Note: evictable leases])."""
 
-    See [Note: staging budget]. Buffers are uint8, 4 KiB-aligned (O_DIRECT fast path).
+    HELD = "held"
+    """The holder's, for bytes taken ahead of need (a read in flight into it, or landed);
+    the pool may revoke it while it is in this state."""
+    REVOKED = "revoked"
+    """Taken back by the pool for a buffer needed now (after any read into it landed): the
+    holder has nothing; what it fetched ahead is fetched again on demand."""
+    RELEASED = "released"
+    """Given back by the holder (`release`), or handed over to it as an ordinary pool buffer
+    (`claim`). The lease holds nothing."""
+
+
+class Lease:
+    """A pooled buffer taken ahead of need, which the pool may revoke ([Note: evictable
+    leases]). Made by `Staging.lease`; used from the engine's thread."""
+
+    __slots__ = ("buffer", "state", "_staging", "_pending")
+
+    def __init__(self, staging: "Staging", buffer: torch.Tensor) -> None:
+        self.buffer: Optional[torch.Tensor] = buffer
+        """The bytes (uint8, 4 KiB-aligned) while `HELD`; None after."""
+        self.state = LeaseState.HELD
+        self._staging = staging
+        self._pending: Optional[Any] = None
+
+    @property
+    def held(self) -> bool:
+        return self.state is LeaseState.HELD
+
+    def attach(self, pending: Any) -> None:
+        """The read submitted into the buffer: revoking or releasing waits for it first (the
+        buffer is its target until it lands)."""
+        self._pending = pending
+
+    def claim(self) -> Optional[torch.Tensor]:
+        """Take the buffer over as an ordinary pool buffer (the caller gives it back with
+        `Staging.release`, after any attached read): no longer revocable. None when the pool
+        has revoked it."""
+        if self.state is not LeaseState.HELD:
+            return None
+        buf = self.buffer
+        self._forget(LeaseState.RELEASED)
+        return buf
+
+    def release(self) -> None:
+        """Give the buffer back (after any attached read lands; its failure is dropped: a
+        fetch ahead that is not used does not fail anyone). Idempotent."""
+        if self.state is LeaseState.HELD:
+            self._give_back(LeaseState.RELEASED)
+
+    def revoke(self) -> None:
+        """Take the buffer back: the pool needs room, or its owner knows the bytes are stale
+        (a new store of the shard). No-op unless `HELD`."""
+        if self.state is LeaseState.HELD:
+            self._give_back(LeaseState.REVOKED)
+
+    def _give_back(self, state: LeaseState) -> None:
+        buf, pending = self.buffer, self._pending
+        self._forget(state)
+        if pending is not None:
+            wait_quietly([pending])
+        self._staging.release(buf)
+
+    def _forget(self, state: LeaseState) -> None:
+        self._staging._leases.pop(id(self), None)
+        self.state = state
+        self.buffer = None
+        self._pending = None
+
+
+class Staging:
+    """The pinned staging pool, the writes in flight that hold its buffers, and the leases
+    on buffers taken ahead of need.
+
+    See [Note: staging budget] and [Note: evictable leases]. Buffers are uint8, 4 KiB-aligned
+    (O_DIRECT fast path).
     """
 
     def __init__(self, budget_bytes: int, pin: Optional[bool] = None) -> None:
         self.pool = BufferPool(int(budget_bytes), pin=pin)
         self._inflight: collections.deque[Pending] = collections.deque()
-        self.reclaimers: list[Callable[[], bool]] = []
-        """Holders of buffers taken ahead of need (prefetched shards and states): called,
-        in order, when `acquire` finds the pool full and no write in flight; each gives
-        back what it holds and says whether it did. A prefetch is only ever an
-        optimisation, so dropping one for a buffer that is needed now is always right."""
+        self._leases: dict[int, Lease] = {}
+        """Leases still `HELD`, oldest first: what `acquire` revokes when the pool is full."""
 
     @property
     def budget_bytes(self) -> int:
         return self.pool.budget_bytes
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        """A buffer of `nbytes`; waits for writes in flight (oldest first) to make room."""
+        """A buffer of `nbytes` for use now; waits for writes in flight (oldest first) to
+        make room, and when none is left revokes the leases ([Note: evictable leases])."""
         while True:
             buf = self._try(nbytes)
             if buf is not None:
                 return buf
             if not self._inflight:
-                if any([reclaim() for reclaim in self.reclaimers]):
+                if self._leases:
+                    self.revoke_leases()
                     continue
                 raise RuntimeError(
                     f"the pinned staging budget offload.pinned_budget_bytes={self.pool.budget_bytes} "
@@ -165,6 +253,23 @@ class Staging:
         """A buffer of `nbytes` if one is available without waiting on any I/O, else None."""
         self.reap()
         return self._try(nbytes)
+
+    def lease(self, nbytes: int) -> Optional[Lease]:
+        """A buffer of `nbytes` taken ahead of need, as a revocable `Lease`, if one is
+        available without waiting on any I/O (and without revoking other leases), else None."""
+        buf = self.try_acquire(nbytes)
+        if buf is None:
+            return None
+        lease = Lease(self, buf)
+        self._leases[id(lease)] = lease
+        return lease
+
+    def revoke_leases(self) -> bool:
+        """Revoke every lease still held, oldest first; whether there was any."""
+        leases = list(self._leases.values())
+        for lease in leases:
+            lease.revoke()
+        return bool(leases)
 
     def _try(self, nbytes: int) -> Optional[torch.Tensor]:
         try:

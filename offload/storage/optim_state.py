@@ -8,11 +8,18 @@ A unit's state on this rank is its fp32 master (the whole shard), and the Adam m
   `state_layout` so that one sequential read and one write move the whole state; the step
   streams units through pooled staging buffers (see [Note: optimizer pipeline]).
 
-Both offer the same two ways in, which `offload.optim.sharded.ShardedAdam` uses:
+Both offer the same methods, so nothing above asks which store it holds (`resident` says
+whether the tensors live in host memory, for callers that may then use them in place):
 - `open(index, write=False)`: a context yielding the unit's tensors (for checkpoints,
   consolidation, loading); with `write=True` what the caller changed is written back on exit.
 - `stream(indices, scratch_bytes)`: the step's pipeline over units, yielding each unit's
-  tensors in order, plus `scratch` bytes beside them for the new low-precision shard.
+  tensors in order, plus `scratch` bytes beside them for the new low-precision shard;
+  `checkout` / `checkin` the same for one unit (the optimizer in backward);
+- `prefetch(...)` / `cancel_prefetch()`: reads of the next units' state started ahead (a
+  no-op in host memory), in buffers the pinned pool may take back ([Note: evictable leases]
+  in offload/storage/nvme.py): a read it took back is made again when the unit is needed;
+- `initialized(index, unit_state)`: the unit's master is complete (`offload.initialize`);
+- `memory_tensors()` / `bytes_on_disk()`: what it holds, for accounting.
 
 Gradient shards are not here: they stay in host memory (fp32, 4 bytes per parameter of
 the shard), written by the reduce-scatter during backward and read by the update.
@@ -54,8 +61,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.storage.io import align_up
-from offload.storage.nvme import NVMeContext, Pending, settle_writes, wait_quietly
+from offload.sizes import align_up
+from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
 
 
 @dataclass(frozen=True)
@@ -122,22 +129,21 @@ class UnitTensors:
 class HostOptimizerStates:
     """Optimizer state in host memory: the tensors of each `UnitOptimizerState`."""
 
-    kind = "host"
+    resident = True
+    """The state's tensors live in host memory: `open` hands out the live tensors."""
 
     def __init__(self, states: Sequence[Any], staging: Any = None) -> None:
         self._states = states
         self._staging = staging
         """The NVMe staging pool when the parameter tier is on NVMe (scratch comes from it)."""
 
-    def reclaim(self) -> bool:
-        """`Staging.reclaimers` hook: the host store reads nothing ahead, so holds no pooled
-        buffer it could give back."""
-        return False
-
     def initialize(self, index: int, master: torch.Tensor) -> None:
         st = self._states[index]
         if st.master is not master:
             st.master.copy_(master)
+
+    def initialized(self, index: int, unit_state: Any) -> None:
+        """Unit `index`'s master is complete: nothing to do, it already is the state."""
 
     @contextlib.contextmanager
     def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
@@ -205,6 +211,11 @@ class HostOptimizerStates:
                 if t is not None:
                     yield t
 
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each state tensor with its accounting bucket: all 'host'."""
+        for t in self.host_tensors():
+            yield "host", t
+
 
 class _SourceRead:
     """A read of an adopted unit's state from its checkpoint file, whose failure names that
@@ -240,7 +251,8 @@ class NVMeOptimizerStates:
     staging buffer, and write it back from there. See [Note: optimizer pipeline].
     """
 
-    kind = "nvme"
+    resident = False
+    """The state lives on disk: `open` hands out pooled copies, valid inside the context."""
 
     def __init__(
         self,
@@ -254,8 +266,9 @@ class NVMeOptimizerStates:
         self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
         self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
-        self._prefetched: dict[int, tuple[torch.Tensor, Pending]] = {}
-        """Reads submitted ahead of the step (`prefetch`), consumed by `stream`."""
+        self._prefetched: dict[int, tuple[Lease, Pending]] = {}
+        """Reads submitted ahead of the step (`prefetch`) into leased buffers the pool may
+        take back, consumed by `stream` / `checkout`."""
         self._sources: dict[int, StateSource] = {}
         """Adopted units: where their state is read from until their next write
         ([Note: adopted state])."""
@@ -268,6 +281,10 @@ class NVMeOptimizerStates:
         return self._swap.total_bytes
 
     def host_tensors(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """None: the state is on disk (its staging buffers count as 'pinned')."""
         return iter(())
 
     # -- one unit --------------------------------------------------------------------------
@@ -285,6 +302,12 @@ class NVMeOptimizerStates:
             self._ctx.staging.release(buf)
             raise
         self._write(index, buf, [])
+
+    def initialized(self, index: int, unit_state: Any) -> None:
+        """Unit `index`'s master is complete (`offload.initialize`): write its first state
+        (`initialize`) and drop the host master, which the swap slot now holds."""
+        self.initialize(index, unit_state.master)
+        unit_state.master = None
 
     @contextlib.contextmanager
     def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
@@ -310,11 +333,16 @@ class NVMeOptimizerStates:
         """Unit `index`'s state for one update (the optimizer-in-backward path): from the
         read `prefetch` started, else read now. Give it back with `checkin` (write-back,
         not waited for) or `abandon` (after an error: nothing written)."""
-        entry = self._prefetched.pop(index, None)
-        if entry is not None and entry[0].numel() < self.layouts[index].nbytes + align_up(scratch_bytes):
-            wait_quietly([entry[1]])  # prefetched without room for scratch: read again
-            self._ctx.staging.release(entry[0])
-            entry = None
+        entry = None
+        ahead = self._prefetched.pop(index, None)
+        if ahead is not None:
+            lease, handle = ahead
+            buf = lease.claim()  # None: the pool took it back, read again
+            if buf is not None and buf.numel() < self.layouts[index].nbytes + align_up(scratch_bytes):
+                wait_quietly([handle])  # prefetched without room for scratch: read again
+                self._ctx.staging.release(buf)
+            elif buf is not None:
+                entry = (buf, handle)
         if entry is None:
             buf = self._ctx.staging.acquire(self.layouts[index].nbytes + align_up(scratch_bytes))
             try:
@@ -376,13 +404,6 @@ class NVMeOptimizerStates:
         """Units read from a checkpoint file until their next write."""
         return sorted(self._sources)
 
-    def reclaim(self) -> bool:
-        """`Staging.reclaimers` hook: drop the reads started ahead; True if there were any."""
-        if not self._prefetched:
-            return False
-        self.cancel_prefetch()
-        return True
-
     # -- the step's pipeline ------------------------------------------------------------------
 
     def prefetch(
@@ -391,19 +412,25 @@ class NVMeOptimizerStates:
         """Submit the reads of the first `limit` units of the coming `stream(indices, ...)`
         now, where buffers are free without waiting: the engine calls it before the overflow
         check and the gradient norm, which the reads then overlap. A write of one of these
-        units before the step drops its read (`_write`); `cancel_prefetch` drops them all."""
+        units before the step drops its read (`_write`); `cancel_prefetch` drops them all.
+        The buffers are leases: the pool may take them back for a buffer needed now
+        ([Note: evictable leases] in offload/storage/nvme.py); such a unit is read again when
+        its update comes."""
         staging = self._ctx.staging
         for i in list(indices)[:limit]:
-            if i in self._prefetched:
+            ahead = self._prefetched.get(i)
+            if ahead is not None and ahead[0].held:
                 continue
-            buf = staging.try_acquire(self.layouts[i].nbytes + align_up(scratch_bytes(i)))
-            if buf is None:
+            lease = staging.lease(self.layouts[i].nbytes + align_up(scratch_bytes(i)))
+            if lease is None:
                 return
             try:
-                self._prefetched[i] = (buf, self._read(i, buf))
+                handle = self._read(i, lease.buffer)
             except BaseException:
-                staging.release(buf)
+                lease.release()
                 raise
+            lease.attach(handle)
+            self._prefetched[i] = (lease, handle)
 
     def write_failure(self) -> Optional[BaseException]:
         """The error of a write that failed and lost a unit's state, or None."""
@@ -421,18 +448,22 @@ class NVMeOptimizerStates:
         for i in list(self._prefetched) if index is None else [index]:
             entry = self._prefetched.pop(i, None)
             if entry is not None:
-                wait_quietly([entry[1]])
-                self._ctx.staging.release(entry[0])
+                entry[0].release()  # waits for the read; nothing if the pool took it back
 
     def stream(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
     ) -> Iterator[tuple[int, UnitTensors]]:
         staging = self._ctx.staging
         order = list(indices)
-        reads, self._prefetched = self._prefetched, {}
-        for i in [i for i in reads if i not in order]:  # not part of this step after all
-            wait_quietly([reads[i][1]])
-            staging.release(reads.pop(i)[0])
+        ahead, self._prefetched = self._prefetched, {}
+        reads: dict[int, tuple[torch.Tensor, Pending]] = {}
+        for i, (lease, handle) in ahead.items():
+            if i not in order:  # not part of this step after all
+                lease.release()
+                continue
+            buf = lease.claim()  # the pipeline's now; None: the pool took it back
+            if buf is not None:
+                reads[i] = (buf, handle)
 
         def submit(i: int, block: bool) -> None:
             n = self.layouts[i].nbytes + align_up(scratch_bytes(i))

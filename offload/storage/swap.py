@@ -30,9 +30,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
-# One alignment rule for the whole project: offload.storage.io's (O_DIRECT's 4 KiB).
-from offload.storage.io import ALIGNMENT as PAGE_BYTES
-from offload.storage.io import align_up
+# One alignment rule for the whole project: offload.sizes' (O_DIRECT's 4 KiB).
+from offload.sizes import ALIGNMENT as PAGE_BYTES
+from offload.sizes import align_up, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,13 @@ def check_free_space(path: str, needed_bytes: int, what: str, reclaimable_bytes:
     directory deletes) as free."""
     free = shutil.disk_usage(path).free
     if needed_bytes > free + reclaimable_bytes:
-        stale = (f" (plus {_size(reclaimable_bytes)} of stale swap files that will be removed)"
-                 if reclaimable_bytes else "")
+        stale = (f" (plus {format_bytes(reclaimable_bytes)} of stale swap files that will be "
+                 "removed)" if reclaimable_bytes else "")
         raise OSError(
             errno.ENOSPC,
-            f"not enough free space for {what}: it needs {_size(needed_bytes)} "
-            f"({needed_bytes} bytes) but {path} has {_size(free)} free{stale}; free space there "
-            f"or point nvme_path at a larger disk",
+            f"not enough free space for {what}: it needs {format_bytes(needed_bytes)} "
+            f"({needed_bytes} bytes) but {path} has {format_bytes(free)} free{stale}; free space "
+            f"there or point nvme_path at a larger disk",
             path,
         )
 
@@ -171,18 +171,6 @@ def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
         ) from exc
     os.close(fd)
     os.unlink(probe)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _size(n: int) -> str:
-    """Bytes for a message: GiB with enough digits that a small size does not read 0.00."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 class SwapDirectory:
@@ -418,8 +406,8 @@ class SwapFile:
             os.unlink(path)
             raise OSError(
                 exc.errno,
-                f"could not preallocate {_gib(total_bytes)} for swap file {path}: {exc.strerror}; "
-                f"free space on that disk or point nvme_path elsewhere",
+                f"could not preallocate {format_bytes(total_bytes)} for swap file {path}: "
+                f"{exc.strerror}; free space on that disk or point nvme_path elsewhere",
                 path,
             ) from exc
         self._fd: Optional[int] = fd

@@ -1,13 +1,30 @@
 """Where a shard's bytes live between uses: the compute device, host memory, NVMe.
 
-One small interface, so the engine never asks which tier it talks to:
+One interface, so no code outside `offload/storage/` asks which tier it talks to:
 
 - `allocate(key, numel, dtype)` reserves room for one shard (zero-filled),
 - `fetch(key, out)` copies the shard into a caller's buffer (any device),
 - `store(key, src)` copies a caller's buffer into the shard,
-- `view(key)` returns the shard itself when its bytes are directly addressable (device and
-  host tiers), or None (NVMe: bytes must be fetched into a buffer first),
-- `free(key)` releases it; `bytes_allocated()` is what the tier holds right now.
+- `view(key)` returns the shard itself when the tier is `addressable` (device and host
+  tiers: its bytes are a tensor on `device`), or None (NVMe: bytes must be fetched first),
+- `free(key)` releases it; `bytes_allocated()` is what the tier holds right now;
+  `memory_tensors()` / `bytes_on_disk()` say which accounting bucket those bytes count in.
+
+What the schedule needs of a tier, every tier answers too (in-memory tiers trivially):
+
+- `fetch_ahead(key, block)` starts bringing the shard into a pooled host buffer and returns
+  a `ReadAhead` to wait on later, or None: nothing to fetch (in-memory tiers, whose shards
+  are gathered where they live) or, with `block=False`, no buffer free now;
+- `keep_after_store(keys)` names the shards whose next `store` the tier keeps a pooled copy
+  of (the next iteration's first units), so that a later `fetch_ahead` / `take_held` hands
+  that copy out as an already-completed fetch instead of reading the bytes back;
+- `take_held(key)` hands out such a copy only (never starts a read), `release_held(key)`
+  gives copies back.
+
+A buffer taken ahead of need is a revocable lease on the pinned pool ([Note: evictable
+leases] in offload/storage/nvme.py): the holder asks `ReadAhead.live()` before using it, and
+`claim()`s it while it does. A new `store` of a shard revokes every lease on its old bytes,
+so nothing stale is handed out, without telling anyone above.
 
 Keys are small hashables chosen by the caller (the engine uses `(unit_index, "param")`).
 `NVMeTier` implements the same methods over `offload.storage.io`'s AIOHandle and the pinned staging
@@ -18,12 +35,12 @@ is why callers treat every return value as "something to wait on" (`wait(handle)
 from __future__ import annotations
 
 import abc
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.storage.io import ALIGNMENT
-from offload.storage.nvme import NVMeContext, Pending, settle_writes, wait_quietly
+from offload.sizes import ALIGNMENT
+from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -39,7 +56,13 @@ class Tier(abc.ABC):
     """A place shards live. Not thread-safe: the engine calls it from one thread."""
 
     kind: str
-    """'device', 'host' or 'nvme': the accounting bucket this tier's bytes count in."""
+    """'device', 'host' or 'nvme': the accounting bucket this tier's bytes count in, and its
+    name in messages. Callers never branch on it: they ask `addressable`, `device`,
+    `fetch_ahead` (or `memory_tensors` / `bytes_on_disk` for accounting)."""
+
+    addressable: bool = True
+    """`view(key)` returns the shard itself, a tensor on `device` (else None: the bytes are
+    reached only through `fetch` / `fetch_ahead`, and written only through `store`)."""
 
     def __init__(self) -> None:
         self._shards: dict[Hashable, torch.Tensor] = {}
@@ -89,6 +112,39 @@ class Tier(abc.ABC):
 
     def free(self, key: Hashable) -> None:
         del self._shards[key]
+
+    # -- what the schedule needs: fetch ahead, hold a copy, give buffers back --------------
+
+    def fetch_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
+        """Start bringing shard `key` into a pooled host buffer; None when there is nothing
+        to fetch ahead (here: the shard is gathered where it lives) or, with `block=False`,
+        no buffer is free now (the caller fetches on demand later)."""
+        return None
+
+    def take_held(self, key: Hashable) -> Optional["ReadAhead"]:
+        """The copy kept at `key`'s last store (`keep_after_store`), as a completed fetch the
+        caller now owns, or None (none kept, or taken back by the pool)."""
+        return None
+
+    def keep_after_store(self, keys: Iterable[Hashable]) -> None:
+        """Keep, best effort, a pooled copy of these shards at their next `store` (replaces
+        the previous set). In-memory tiers: their shards are already where compute reads
+        them; nothing to keep."""
+
+    def release_held(self, key: Optional[Hashable] = None) -> None:
+        """Give back the copies kept by `keep_after_store` and not yet taken (all, or
+        `key`'s)."""
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each shard held in memory, with the bucket its bytes count in ('device' or
+        'host'); adopted tensors too (the caller counts a storage once)."""
+        for t in self._shards.values():
+            yield self.kind, t
+
+    def bytes_on_disk(self) -> int:
+        return 0
 
     def settle(self) -> None:
         """After a failed step: wait for every write in flight, dropping their failures
@@ -168,11 +224,14 @@ class NVMeTier(Tier):
     staged `store` copies first, so the caller may reuse `src` at once; the staging buffer
     goes back to the pool when the write completes.
 
-    Prefetch (issue 7) slots in here: `fetch` already only submits the read, and the copy
-    into `out` happens when the handle is waited on.
+    Ahead of need, `fetch_ahead` reads a shard into a leased pooled buffer, and a `store` of a
+    shard named in `keep_after_store` leaves a leased copy of the stored bytes behind
+    (`take_held`). A `store` revokes every lease still on the shard's old bytes (read ahead
+    or kept): they are stale.
     """
 
     kind = "nvme"
+    addressable = False
 
     def __init__(
         self,
@@ -193,9 +252,13 @@ class NVMeTier(Tier):
             sizes.append(int(numel) * _itemsize(dtype))
         self._swap = context.directory.create(name, sizes)
         self._last_write: list[Optional[Pending]] = [None] * len(sizes)
-        self.store_listeners: list[Any] = []
-        """Called as fn(key, src) after every `store` (the prefetcher: a copy it holds of
-        that shard is now stale, or it keeps the new bytes for the next iteration)."""
+        self._keep: frozenset[Hashable] = frozenset()
+        """Shards whose next `store` leaves a pooled copy (`keep_after_store`)."""
+        self._held: dict[Hashable, ReadAhead] = {}
+        """Copies kept at a store, not yet handed out (`take_held`, `fetch_ahead`)."""
+        self._lent: dict[Hashable, Lease] = {}
+        """Per shard, the lease of the last buffer of its bytes handed out or kept ahead of
+        need: revoked when the shard is stored again (its bytes are then stale)."""
 
     @property
     def device(self) -> torch.device:
@@ -253,27 +316,58 @@ class NVMeTier(Tier):
             stats=ctx.stats,
         )
 
-    def read_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
-        """Submit the read of shard `key` into a pooled staging buffer and return at once
-        (the prefetch scheduler's NVMe stage, offload/runtime/schedule.py). With `block=False` it
-        never waits: None when the pool has no free buffer now (the caller fetches on demand
-        later). The caller waits on `.pending`, reads `.local`, then `.release()`s."""
+    def fetch_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
+        """The copy kept at the shard's last store if there is one (`take_held`); else submit
+        the shard's read into a pooled staging buffer and return at once. With `block=False`
+        (ahead of need) it never waits: the buffer is a revocable lease ([Note: evictable
+        leases]), and None means the pool has no free buffer now (the caller fetches on
+        demand later). With `block=True` (needed now) the buffer is an ordinary one.
+        The caller waits on the result, reads `.local`, then `.release()`s."""
+        held = self.take_held(key)
+        if held is not None:
+            return held
         i = self._slot(key)
         self._wait_write(i)  # [Note: slot ordering]
         slot = self._swap.check_readable(i)
         ctx = self._ctx
-        buf = ctx.staging.acquire(slot.nbytes) if block else ctx.staging.try_acquire(slot.nbytes)
-        if buf is None:
-            return None
+        staging = ctx.staging
+        lease = None
+        if block:
+            buf = staging.acquire(slot.nbytes)
+        else:
+            lease = staging.lease(slot.nbytes)
+            if lease is None:
+                return None
+            buf = lease.buffer
         try:
             req = self._swap.read(ctx.aio, buf, slot.offset)
         except BaseException:
-            ctx.staging.release(buf)
+            if lease is not None:
+                lease.release()
+            else:
+                staging.release(buf)
             raise
         ctx.stats.bytes_read += slot.nbytes
-        numel, dtype = self._spec[i]
-        local = buf[: numel * _itemsize(dtype)].view(dtype)
-        return ReadAhead(Pending([req], stats=ctx.stats), local, lambda: ctx.staging.release(buf))
+        pending = Pending([req], stats=ctx.stats)
+        if lease is not None:
+            lease.attach(pending)
+            self._lent[key] = lease
+        return ReadAhead(pending, self._local(i, buf), lambda: staging.release(buf), lease=lease)
+
+    def take_held(self, key: Hashable) -> Optional["ReadAhead"]:
+        held = self._held.pop(key, None)
+        if held is None or not held.live():
+            return None  # taken back by the pool: as if never kept
+        return held
+
+    def keep_after_store(self, keys: Iterable[Hashable]) -> None:
+        self._keep = frozenset(keys)
+
+    def release_held(self, key: Optional[Hashable] = None) -> None:
+        for k in list(self._held) if key is None else [key]:
+            held = self._held.pop(k, None)
+            if held is not None:
+                held.release()
 
     def store(self, key: Hashable, src: torch.Tensor) -> Pending:
         i = self._slot(key)
@@ -300,30 +394,45 @@ class NVMeTier(Tier):
         ctx.stats.bytes_written += slot.nbytes
         self._swap.mark_written(i)
         self._last_write[i] = handle
-        for listener in self.store_listeners:
-            listener(key, src)
+        self._drop_ahead(key)  # the old bytes, read ahead or kept, are stale now
+        if key in self._keep and src.device.type == "cpu":
+            self._hold_copy(key, i, src)
         return handle
 
     def slot_bytes(self, key: Hashable) -> int:
         return self._swap.slots[self._slot(key)].nbytes
 
-    def hold_copy(self, key: Hashable, src: torch.Tensor) -> Optional["ReadAhead"]:
-        """A pooled copy of `src` (the bytes just stored under `key`) in the form of a
-        completed read-ahead, or None when the pool has no free buffer: the next
-        iteration's first units are taken from it instead of waiting for their write and
-        reading them back."""
-        i = self._slot(key)
-        ctx = self._ctx
-        buf = ctx.staging.try_acquire(self._swap.slots[i].nbytes)
-        if buf is None:
-            return None
-        numel, dtype = self._spec[i]
-        local = buf[: numel * _itemsize(dtype)].view(dtype)
+    def _hold_copy(self, key: Hashable, i: int, src: torch.Tensor) -> None:
+        """Keep a leased copy of `src` (the bytes just stored under `key`) when the pool has
+        a free buffer: the next iteration's first units are taken from it instead of
+        waiting for their write and reading them back."""
+        staging = self._ctx.staging
+        lease = staging.lease(self._swap.slots[i].nbytes)
+        if lease is None:
+            return
+        buf = lease.buffer
+        local = self._local(i, buf)
         local.copy_(src.reshape(-1))
-        return ReadAhead(Pending([]), local, lambda: ctx.staging.release(buf))
+        self._lent[key] = lease
+        self._held[key] = ReadAhead(
+            Pending([]), local, lambda: staging.release(buf), lease=lease, fresh=True
+        )
+
+    def _drop_ahead(self, key: Hashable) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            held.release()
+        lease = self._lent.pop(key, None)
+        if lease is not None:
+            lease.revoke()  # its holder finds it revoked and fetches again
+
+    def _local(self, i: int, buf: torch.Tensor) -> torch.Tensor:
+        numel, dtype = self._spec[i]
+        return buf[: numel * _itemsize(dtype)].view(dtype)
 
     def free(self, key: Hashable) -> None:
         i = self._slot(key)
+        self._drop_ahead(key)
         self._wait_write(i)
         self._swap.mark_written(i, False)
 
@@ -340,6 +449,13 @@ class NVMeTier(Tier):
 
     def bytes_allocated(self) -> int:
         """Bytes of the swap file (every slot, page-rounded), on disk."""
+        return self._swap.total_bytes
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """None: the shards are on disk (buffers lent from the pool count as 'pinned')."""
+        return iter(())
+
+    def bytes_on_disk(self) -> int:
         return self._swap.total_bytes
 
     def _slot(self, key: Hashable) -> int:
@@ -369,17 +485,49 @@ class NVMeTier(Tier):
 
 
 class ReadAhead:
-    """A shard read submitted ahead of use: wait on `pending`, then `local` holds the shard
-    (host memory, the tier's dtype); `release()` gives the buffer back (idempotent)."""
+    """A shard fetched ahead of use into a pooled host buffer: wait, then `local` holds the
+    shard (host memory, the tier's dtype); `release()` gives the buffer back (idempotent).
 
-    __slots__ = ("pending", "local", "_release")
+    Taken ahead of need, the buffer is a `Lease` the pool may revoke ([Note: evictable
+    leases] in offload/storage/nvme.py), or the tier revokes when the shard is stored again:
+    a holder asks `live()` before it uses the entry, and `claim()`s it for the use (from
+    then on the pool leaves it alone). `fresh`: a copy kept at a store (`keep_after_store`),
+    not a read; it stays valid until the shard's next store."""
 
-    def __init__(self, pending: Pending, local: torch.Tensor, release: Any) -> None:
-        self.pending = pending
-        self.local = local
-        self._release = release
+    __slots__ = ("pending", "local", "fresh", "_lease", "_release")
 
     label = "read"
+
+    def __init__(
+        self,
+        pending: Pending,
+        local: torch.Tensor,
+        release: Callable[[], None],
+        *,
+        lease: Optional[Lease] = None,
+        fresh: bool = False,
+    ) -> None:
+        self.pending = pending
+        self.local = local
+        self.fresh = fresh
+        self._lease = lease
+        self._release: Optional[Callable[[], None]] = release
+        """Gives the buffer back once it is no longer a lease (never leased, or claimed)."""
+
+    def live(self) -> bool:
+        """False once the pool (or a new store) took the buffer back: use it no more, fetch
+        the shard again."""
+        return self._lease is None or self._lease.held
+
+    def claim(self) -> bool:
+        """Make the buffer the holder's until `release` (no longer revocable); False when it
+        was revoked already."""
+        if self._lease is None:
+            return self._release is not None
+        if self._lease.claim() is None:
+            return False
+        self._lease = None
+        return True
 
     def done(self) -> bool:
         """Whether the read has landed (never blocks)."""
@@ -387,11 +535,15 @@ class ReadAhead:
 
     def wait(self) -> torch.Tensor:
         """Wait for the read; the shard, in the pooled buffer (host memory, the tier's dtype)."""
+        assert self.live(), "a revoked fetch is used"
         self.pending.wait()
         return self.local
 
     def release(self) -> None:
-        if self._release is not None:
+        if self._lease is not None:
+            lease, self._lease, self._release = self._lease, None, None
+            lease.release()  # waits for the read; nothing if the pool took it back already
+        elif self._release is not None:
             wait_quietly([self.pending])  # the buffer is the read's target until it lands
             release, self._release = self._release, None
             release()

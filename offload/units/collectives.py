@@ -178,3 +178,13 @@ def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> tor
     if pg.world_size == 1 or pg.backend == "nccl":
         return compute_device
     return torch.device("cpu")
+
+
+def all_reduce_host(t: torch.Tensor, op: str, pg: ProcessGroupInfo, compute_device: torch.device) -> torch.Tensor:
+    """All-reduce a small host tensor over the group ('sum' or 'max'), through the device
+    the backend needs (NCCL: the GPU); the result on the host. World size 1: `t` itself."""
+    if pg.world_size == 1:
+        return t
+    x = t.to(collective_device(pg, compute_device))
+    (all_reduce_max_ if op == "max" else all_reduce_sum_)(x, pg)
+    return x.cpu()

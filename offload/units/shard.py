@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import offload.units.collectives as _dist
+from offload.sizes import align_up
 from offload.storage.tiers import Tier, wait
 
 PARAM_ALIGN_ELEMS = 16
@@ -40,12 +41,6 @@ NVMe tier can move shards with O_DIRECT at 4 KiB-aligned offsets and sizes."""
 FROZEN_GROUP = -1
 """The group index of parameters no optimizer group updates (requires_grad=False, or
 not listed in any group). They are laid out after every optimized parameter."""
-
-
-def align_up(n: int, multiple: int) -> int:
-    if multiple <= 0:
-        raise ValueError(f"alignment must be positive, got {multiple}")
-    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -341,6 +336,31 @@ class FlatUnit:
             self._finish_gather()
         _free_storage(self.full)
         self.state = UnitState.SHARDED
+
+    def set_master_slot(self, si: int, value: torch.Tensor, master: torch.Tensor) -> None:
+        """Copy this rank's part of parameter `si` from its full `value` into the fp32
+        `master` shard (nothing when the parameter lies on other ranks)."""
+        slot = self.layout.slots[si]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(
+                f"parameter {slot.name!r}: got shape {tuple(value.shape)}, expected {slot.shape}"
+            )
+        part = self.layout.slot_in_shard(slot, self.pg.rank)
+        if part is None:
+            return
+        p_off, s_off, n = part
+        master[s_off : s_off + n].copy_(value.detach().reshape(-1)[p_off : p_off + n])
+
+    def publish(self, master: torch.Tensor) -> None:
+        """Write this unit's parameter shard (its dtype, its tier) from the fp32 `master`;
+        a gathered copy is stale after it and is freed (re-gathered on next use). The one
+        path from a master to the shard outside the optimizer's update (initialize, loads)."""
+        shard = self.tier.view(self.key)
+        if shard is not None and shard.data_ptr() == master.data_ptr():
+            return  # fp32 on the CPU: the shard is the master
+        wait(self.tier.store(self.key, master.to(self.dtype)))
+        if not self.aliased and self.state is UnitState.GATHERED:
+            self.free()
 
     # -- gradients ------------------------------------------------------------------------
 

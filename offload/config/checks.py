@@ -1,0 +1,277 @@
+"""How a config value and a config section are checked, and the errors they raise.
+
+A message is always "<key> <problem>; <fix>" (docs/config.md, Errors): `rule_error` and
+`type_error` write the problem, `did_you_mean` and `valid_keys_fix` the hints of an unknown
+key or value. `coerce` checks one value against a field's annotation, normalising only what
+JSON and YAML force on us; `Section` is the base of every config dataclass, which runs
+`coerce` on each field and then the section's own range checks. The sections themselves are
+in sections.py, the DeepSpeed translation in deepspeed*.py; this module knows neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import typing
+from dataclasses import fields
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional, Union
+
+__all__ = [
+    "ConfigError",
+    "ConfigTypeError",
+    "DeepSpeedConfigWarning",
+    "rule_error",
+    "type_error",
+    "did_you_mean",
+    "valid_keys_fix",
+    "coerce",
+    "positive_int",
+    "require",
+    "join_key",
+    "Section",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination offload cannot run with.
+
+    `key` is the dotted path of the offending key (`offload.nvme_path`,
+    `zero_optimization.offload_param.device`); the message is
+    "<key> <problem>; <fix>".
+    """
+
+    def __init__(self, key: str, problem: str, fix: str) -> None:
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{key} {problem}; {fix}")
+
+    def __reduce__(self):  # picklable across processes (torchrun workers, spawn)
+        return type(self), (self.key, self.problem, self.fix)
+
+    def retarget(self, key: str) -> "ConfigError":
+        """The same error reported under another key (a DeepSpeed key mapped onto ours)."""
+        return type(self)(key, self.problem, self.fix)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value of the wrong type (also a `TypeError`)."""
+
+
+class DeepSpeedConfigWarning(UserWarning):
+    """A DeepSpeed config had keys offload accepts but does not honour (listed by name)."""
+
+
+def rule_error(key: str, value: Any, rule: str, fix: str) -> ConfigError:
+    """"<key> = <value>, but <rule>; <fix>", to raise."""
+    return ConfigError(key, f"= {value!r}, but {rule}", fix)
+
+
+def type_error(key: str, value: Any, expected: str, fix: Optional[str] = None) -> ConfigTypeError:
+    """"<key> = <value> (<type>), but it must be <expected>; <fix>", to raise."""
+    return ConfigTypeError(key, f"= {value!r} ({type(value).__name__}), but it must be {expected}",
+                           fix or f"set {key} to {expected}")
+
+
+def did_you_mean(word: Any, choices: Iterable[str], what: str = "") -> str:
+    """" (did you mean 'x'?)" for the closest choice, or "" when nothing is close."""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    if isinstance(word, str) and word.lower() in lowered:
+        return f" (did you mean {lowered[word.lower()]!r}{what}?)"
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}{what}?)" if close else ""
+
+
+def valid_keys_fix(where: str, names: list[str]) -> str:
+    """The fix for an unknown key: the valid keys, or where to find them if they are many."""
+    if len(names) > 15:
+        return f"docs/config.md lists the {len(names)} valid keys {where}"
+    return f"valid keys {where} are: {', '.join(names)}"
+
+
+def join_key(prefix: str, key: str) -> str:
+    """A dotted key path: `join_key("offload", "nvme_path")` -> "offload.nvme_path"."""
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _dataclass_in(hint: Any) -> Optional[type]:
+    """The dataclass a field annotation names (through Optional), if any."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    if typing.get_origin(hint) is Union:
+        for arg in typing.get_args(hint):
+            if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                return arg
+    return None
+
+
+def coerce(key: str, value: Any, hint: Any) -> Any:
+    """`value` checked against the annotation `hint`, lightly normalised.
+
+    Normalisations are the ones JSON and YAML force on us: a list for a tuple, an integral
+    float (`5e8`) for an int, an int for a float, a path-like for a str. Anything else of
+    the wrong type is a `ConfigTypeError` naming the key. A nested section (a `Section`
+    dataclass) is read from a mapping by its own class, so errors name its keys.
+    """
+    origin = typing.get_origin(hint)
+    if isinstance(value, str) and value == "auto" and (hint in (bool, int, float) or origin is tuple):
+        raise ConfigError(key, "= 'auto', which offload does not resolve",
+                          "'auto' is filled in by the Hugging Face Trainer integration before "
+                          "DeepSpeed reads the config; replace it with a concrete value")
+    if hint is Any:
+        return value
+    if origin is Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        assert len(args) == 1, f"unsupported annotation {hint!r}"
+        return coerce(key, value, args[0])
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ConfigError(key, f"= {value!r}, which is not one of {choices}"
+                              f"{did_you_mean(value, [str(a) for a in allowed])}",
+                              f"set {key} to one of {choices}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise type_error(key, value, "true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool):
+            raise type_error(key, value, "an integer")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise type_error(key, value, "an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise type_error(key, value, "a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise rule_error(key, value, "it must be a finite number", f"set {key} to a finite number")
+        return value
+    if hint is str:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise type_error(key, value, "a string")
+        return value
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise type_error(key, value, "a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise rule_error(key, value, f"it must have exactly {len(args)} entries",
+                             f"give {key} as a list of {len(args)} values")
+        return tuple(coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise type_error(key, value, "a mapping (a JSON object)")
+        return dict(value)
+    sub = _dataclass_in(hint)
+    if sub is not None:
+        if isinstance(value, sub):
+            return value
+        if isinstance(value, Mapping):
+            return sub._from_mapping(value, key)
+        raise type_error(key, value, f"a mapping or an offload.{sub.__name__}")
+    raise AssertionError(f"unsupported annotation {hint!r} for {key}")  # pragma: no cover
+
+
+def positive_int(key: str, value: Any, fix: str) -> int:
+    """`value` as an integer >= 1 (a count, a size in elements)."""
+    value = coerce(key, value, int)
+    if value < 1:
+        raise rule_error(key, value, "it must be >= 1", fix)
+    return value
+
+
+def require(ok: bool, key: str, value: Any, rule: str, fix: str) -> None:
+    """Raise `rule_error(key, value, rule, fix)` unless `ok`."""
+    if not ok:
+        raise rule_error(key, value, rule, fix)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class Section:
+    """Shared behaviour of the config dataclasses (which are frozen and kw_only).
+
+    `_SECTION` is the section's dotted place in offload's format, so errors name the full
+    key. `__post_init__` type-checks every field against its annotation, then runs the
+    section's own `_check` (ranges, combinations).
+    """
+
+    _SECTION: ClassVar[str] = ""
+    _NOT_LOADED: ClassVar[frozenset[str]] = frozenset()
+    """Fields that are provenance, not settings: not read by from_dict, not written by to_dict."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            value = coerce(self._key(f.name), getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Ranges and combinations; raise ConfigError naming the key."""
+
+    @classmethod
+    def _key(cls, name: str) -> str:
+        return join_key(cls._SECTION, name)
+
+    @classmethod
+    def _from_mapping(cls, data: Any, prefix: str):
+        if not isinstance(data, Mapping):
+            raise type_error(prefix or "config", data, "a mapping (a JSON object / YAML mapping)")
+        names = [f.name for f in fields(cls) if f.init and f.name not in cls._NOT_LOADED]  # type: ignore[arg-type]
+        for key in data:
+            if key not in names:
+                raise cls._unknown_key(prefix, key, names)
+        return cls(**dict(data))
+
+    @classmethod
+    def _unknown_key(cls, prefix: str, key: Any, names: list[str]) -> ConfigError:
+        where = f"under {prefix!r}" if prefix else "at the top level"
+        hint = did_you_mean(key, names)
+        if not prefix and not hint:
+            hint = cls._top_level_hint(key)
+        return ConfigError(join_key(prefix, str(key)), f"is not a known key {where}{hint}",
+                           valid_keys_fix(where, names))
+
+    @classmethod
+    def _top_level_hint(cls, key: Any) -> str:
+        """A hint for an unknown top-level key that is not close to any of ours ("" = none);
+        `Config` suggests DeepSpeed's keys here."""
+        return ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-ready values (tuples as lists), nested by section."""
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in self._NOT_LOADED:
+                continue
+            out[f.name] = _plain(getattr(self, f.name))
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Section):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

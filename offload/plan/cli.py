@@ -1,0 +1,116 @@
+"""`python -m offload.plan`: the planner's command line. Reads the machine and the model's
+size from flags (sizes through `offload.sizes`: GB = 10**9, GiB = 2**30), prints the plan's
+table or its JSON; exit status 0 when a placement fits, 1 when none does, 2 on bad flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from offload.config import Config
+from offload.dtypes import DTYPES, MOMENT_DTYPES
+from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
+from offload.plan.planner import plan
+from offload.plan.tier_bytes import default_units
+from offload.sizes import parse_bytes, parse_count
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m offload.plan",
+        description="Bytes per tier (GPU, host, NVMe) for each placement of a model, and the "
+                    "fastest placement that fits. Activations are not modelled: the reserves "
+                    "hold them. Sizes: GB = 10**9 bytes, GiB = 2**30.")
+    p.add_argument("--params", required=True, help="parameter count: 7e9, 7B, 350M")
+    p.add_argument("--trainable", default=None,
+                   help="trainable parameters (default: all); the rest are frozen (no moments)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs per node (default: this machine's; 0 = compute on the CPU)")
+    p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GiB (default: this machine's)")
+    p.add_argument("--cpu-mem", default=None, help="host memory per node, e.g. 512GiB (default: "
+                   "this machine's MemAvailable)")
+    p.add_argument("--nvme-free", default=None, help="free NVMe space per node, e.g. 2TiB "
+                   "(default: none, unless --nvme-path)")
+    p.add_argument("--nvme-path", default=None, help="measure free space of this directory")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks in the job (default: --gpus, or 1); more than --gpus means several nodes")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="compute dtype")
+    p.add_argument("--moments", default="fp32", choices=list(MOMENT_DTYPES), help="Adam moments dtype")
+    p.add_argument("--units", type=int, default=None,
+                   help="units (transformer blocks) to lay the count out in (default: one per ~200M)")
+    p.add_argument("--pinned-budget", default="1GiB", help="pinned staging budget for NVMe tiers")
+    p.add_argument("--gpu-reserve", default=DEFAULT_RESERVES["gpu"],
+                   help="per GPU, held back for activations and the CUDA context: '20%%' or a size")
+    p.add_argument("--cpu-reserve", default=DEFAULT_RESERVES["cpu"], help="per node: '10%%' or a size")
+    p.add_argument("--nvme-reserve", default=DEFAULT_RESERVES["nvme"], help="per node: '5%%' or a size")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _param_count(text: str, flag: str) -> int:
+    try:
+        return parse_count(text)
+    except ValueError:
+        raise ValueError(f"{flag}: cannot read {text!r} as a parameter count; write e.g. 7e9, "
+                         "7B or 350M") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        gpus = args.gpus
+        gpu_mem = args.gpu_mem
+        if gpus is None:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus and gpu_mem is None:
+            if not torch.cuda.is_available():
+                raise ValueError("--gpus > 0 needs --gpu-mem (no GPU on this machine to measure)")
+            gpu_mem = torch.cuda.get_device_properties(0).total_memory
+        cpu_mem = args.cpu_mem if args.cpu_mem is not None else mem_available_bytes()
+        nvme = args.nvme_free
+        if nvme is None and args.nvme_path:
+            nvme = shutil.disk_usage(args.nvme_path).free
+        machine = make_machine(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_free=nvme,
+                               world_size=args.world_size, gpu_reserve=args.gpu_reserve,
+                               cpu_reserve=args.cpu_reserve, nvme_reserve=args.nvme_reserve)
+        cfg = Config.from_dict({"offload": {"pinned_budget_bytes": parse_bytes(args.pinned_budget)},
+                                "precision": {"dtype": args.dtype},
+                                "optimizer": {"moments_dtype": args.moments}})
+        count = _param_count(args.params, "--params")
+        if args.trainable is not None:
+            model = _frozen_split_model(count, _param_count(args.trainable, "--trainable"), args.units)
+            result = plan(model, machine=machine, config=cfg)
+        else:
+            result = plan(count, machine=machine, config=cfg, units=args.units)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0 if result.recommended is not None else 1
+
+
+def _frozen_split_model(params: int, trainable: int, units: Optional[int]) -> nn.Module:
+    """A meta-device stand-in with `trainable` of `params` parameters trainable, spread
+    evenly over the units (fine-tuning with frozen layers)."""
+    if not 0 <= trainable <= params:
+        raise ValueError(f"--trainable {trainable} must be between 0 and --params {params}")
+    n = units or default_units(params)
+    with torch.device("meta"):
+        blocks = nn.ModuleList()
+        for i in range(n):
+            blk = nn.Module()
+            t = trainable // n + (1 if i < trainable % n else 0)
+            f = (params - trainable) // n + (1 if i < (params - trainable) % n else 0)
+            blk.w = nn.Parameter(torch.empty(t)) if t else None
+            blk.frozen = nn.Parameter(torch.empty(f), requires_grad=False) if f else None
+            blocks.append(blk)
+        root = nn.Module()
+        root.blocks = blocks
+    return root

@@ -1,0 +1,225 @@
+"""Bytes per tier for one placement: the model laid out as the engine lays it out, and the
+engine's allocation rules applied to it unit by unit.
+
+[Note: the figures are the engine's]
+Nothing here is a separate guess of "bytes per parameter". The units come from the engine's
+wrap policy (`offload.units.partition.plan_units`), the groups from
+`offload.optim.sharded.resolve_param_groups`, the flat layout (alignment, padding to the world
+size) from `offload.units.shard.layout_unit`, the dtypes from the config, and `rank_bytes`
+applies the engine's allocation rules unit by unit (which buffers exist, which are aliased,
+which tier each lands in). tests/test_plan.py pins the result to `Engine.memory_bytes()` after
+a training step. A bare parameter count is laid out as equal units through the same functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from offload.config import Config
+from offload.optim.sharded import host_state_bytes, resolve_param_groups
+from offload.sizes import align_up
+from offload.units.partition import plan_units
+from offload.units.shard import FROZEN_GROUP, UnitLayout, layout_unit
+
+__all__ = ["UnitSpec", "ModelSpec", "spec_from_model", "spec_from_count", "default_units",
+           "TierBytes", "rank_bytes", "working_bytes", "disk_bytes_per_step"]
+
+
+# --------------------------------------------------------------------------------------
+# The model's layout, as the engine builds it
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    layout: UnitLayout
+    trainable: bool
+    """Some parameter requires grad: the engine allocates an fp32 gradient shard."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    units: tuple[UnitSpec, ...]
+    """Index 0 is the root unit, as in the engine."""
+    buffer_bytes: int
+    """Module buffers, whole on every rank's compute device, floating ones in compute dtype."""
+    params: int
+    trainable_params: int
+
+
+def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size: int,
+                    p_bytes: int) -> ModelSpec:
+    # Exactly Engine._build_units' grouping and layout (see [Note: the figures are the engine's]).
+    plans = plan_units(model, config.unit_modules)
+    _groups, group_of, _ = resolve_param_groups(model, config.optimizer, optimizer)
+    units = []
+    params = trainable = 0
+    for plan_ in plans:
+        entries = []
+        for rec in plan_.params:
+            p = rec.param
+            g = group_of.get(id(p), FROZEN_GROUP) if p.requires_grad else FROZEN_GROUP
+            entries.append((rec.name, tuple(p.shape), g))
+            params += p.numel()
+            trainable += p.numel() if g != FROZEN_GROUP else 0
+        layout = layout_unit(entries, world_size)
+        units.append(UnitSpec(layout, any(rec.param.requires_grad for rec in plan_.params)))
+    seen: set[int] = set()
+    buffer_bytes = 0
+    for b in model.buffers():
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        buffer_bytes += b.numel() * (p_bytes if b.is_floating_point() else b.element_size())
+    return ModelSpec(tuple(units), buffer_bytes, params, trainable)
+
+
+def default_units(params: int) -> int:
+    """Units for a bare parameter count: one per ~200M parameters (a 7B model: 35), at least
+    one; a transformer's blocks are typically of that order."""
+    return max(1, round(params / 2e8))
+
+
+def spec_from_count(params: int, world_size: int, units: Optional[int]) -> ModelSpec:
+    """A bare count laid out as `units` equal trainable units under an empty root (the
+    engine always has a root), through the engine's own layout function."""
+    n = units or default_units(params)
+    per, extra = divmod(params, n)
+    specs = [UnitSpec(layout_unit([], world_size), False)]
+    for i in range(n):
+        numel = per + (1 if i < extra else 0)
+        specs.append(UnitSpec(layout_unit([(f"unit{i}", (numel,), 0)], world_size), True))
+    return ModelSpec(tuple(specs), 0, params, params)
+
+
+# --------------------------------------------------------------------------------------
+# Bytes per tier
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    device: int = 0
+    """Compute-device memory (GPU; host memory on a CPU run)."""
+    host: int = 0
+    """Host memory: shards, master, moments, gradients (pinned where a GPU copies them)."""
+    pinned: int = 0
+    """The NVMe tier's pinned staging pool (host memory too): its budget, an upper bound."""
+    nvme: int = 0
+    """Swap-file bytes."""
+
+    def __add__(self, other: "TierBytes") -> "TierBytes":
+        return TierBytes(self.device + other.device, self.host + other.host,
+                         self.pinned + other.pinned, self.nvme + other.nvme)
+
+    def max(self, other: "TierBytes") -> "TierBytes":
+        return TierBytes(max(self.device, other.device), max(self.host, other.host),
+                         max(self.pinned, other.pinned), max(self.nvme, other.nvme))
+
+    @property
+    def host_total(self) -> int:
+        return self.host + self.pinned
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device": self.device, "host": self.host, "pinned": self.pinned, "nvme": self.nvme}
+
+
+def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str, *,
+               p_bytes: int, m_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
+               transient_grads: bool = False) -> TierBytes:
+    """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
+
+    The engine's rules, unit by unit (offload/engine.py `_build_units`, offload/optim/sharded.py):
+    - fp32 master: the whole shard; fp32 gradient shard: the whole shard if any parameter
+      of the unit is trainable; exp_avg and exp_avg_sq: the shard's optimized prefix, in
+      the moments dtype. Host memory, or (optimizer on NVMe) master and moments in the
+      swap file, each rounded up to `offload.sizes.ALIGNMENT` (swap-file offsets and sizes
+      are O_DIRECT-aligned), while the gradient shard stays in host memory (it is the
+      reduce-scatter's target, accumulated over micro-batches) — except when the shards
+      are transient (`offload.optim.sharded.transient_grad_shards`: every update runs during
+      backward on a CPU run): then none is held between steps (one unit's during
+      backward, counted in the working set).
+    - the parameter shard (compute dtype) in its tier; with fp32 compute and the shard in
+      host memory (a CPU run, or param_tier cpu) it *is* the master: no second buffer.
+    - gathered full buffers are freed between steps (at world size 1 with the shard on the
+      compute device the full buffer is the shard: nothing more).
+    - buffers: on the compute device.
+    - the optimizer's low-precision staging buffer (one largest shard, host) exists when
+      the parameter shard is GPU memory and the optimizer state is in host memory; with an
+      NVMe tier the new shard is written into the staging pool's scratch instead.
+    - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
+    """
+    dev = host = nvme = 0
+    shard_in_host = param_tier == "cpu" or (param_tier == "device" and not on_gpu)
+    alias_master = p_bytes == 4 and shard_in_host and optimizer_tier == "cpu"
+    staging = 0
+    for u in spec.units:
+        layout = u.layout
+        shard = layout.shard_numel
+        opt = layout.shard_optimized_numel(rank)
+        master_b, moments_b = shard * 4, opt * m_bytes
+        grad_b = shard * 4 if u.trainable and not transient_grads else 0
+        host += grad_b
+        if optimizer_tier == "cpu":
+            host += host_state_bytes(master_b) + 2 * host_state_bytes(moments_b)
+        else:
+            nvme += align_up(master_b) + 2 * align_up(moments_b)
+        if not alias_master:
+            shard_b = shard * p_bytes
+            if param_tier == "nvme":
+                nvme += align_up(shard_b)
+            elif param_tier == "device" and on_gpu:
+                dev += shard_b
+            elif param_tier == "device":
+                dev += shard_b  # a CPU run: the compute device is host memory, counted apart
+            else:
+                host += shard_b
+        if (p_bytes != 4 and param_tier == "device" and on_gpu and optimizer_tier == "cpu"
+                and any(s.group != FROZEN_GROUP for s in layout.slots)):
+            staging = max(staging, shard * p_bytes)
+    dev += spec.buffer_bytes
+    host += staging
+    pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0
+    return TierBytes(dev, host, pinned, nvme)
+
+
+def working_bytes(spec: ModelSpec, param_tier: str, *, p_bytes: int, on_gpu: bool,
+                  world_size: int) -> int:
+    """Compute-device bytes the engine adds during forward/backward (an estimate, not
+    counting activations): the root's full buffer and gradients (held from its forward to
+    the end of backward), plus the largest other unit's full buffer, its gradients and the
+    fp32 flat buffer its reduce-scatter uses. Prefetch (issue 7) adds up to
+    `prefetch.prefetch_bytes + prefetch.keep_bytes` on top when it lands."""
+    shard_on_device = param_tier == "device" or (param_tier == "cpu" and not on_gpu)
+    aliased = world_size == 1 and shard_on_device
+    fast_reduce = world_size == 1 and not on_gpu  # straight into the host grad shard
+
+    def unit_bytes(u: UnitSpec) -> int:
+        full = 0 if aliased else u.layout.padded_numel * p_bytes
+        grads = u.layout.numel * p_bytes if u.trainable else 0
+        reduce = 0 if fast_reduce or not u.trainable else u.layout.padded_numel * 4
+        return full + grads + reduce
+
+    root, rest = spec.units[0], spec.units[1:]
+    return unit_bytes(root) + max((unit_bytes(u) for u in rest), default=0)
+
+
+def disk_bytes_per_step(spec: ModelSpec, param_tier: str, optimizer_tier: str, *, p_bytes: int,
+                        world_size: int) -> int:
+    """Per rank: bytes read + written on NVMe per optimizer step, [Note: placement order]'s
+    figures (`offload.plan.planner.PLACEMENTS`): optimizer states on NVMe move 12 B read +
+    12 B written per trainable parameter; parameter shards on NVMe 2 B per gather (forward
+    and backward) + 2 B written per trainable parameter, 2 B per gather for a frozen one,
+    at a 2-byte compute dtype (scaled for others)."""
+    if "nvme" not in (param_tier, optimizer_tier):
+        return 0
+    scale = p_bytes / 2
+    params_bytes = 6 * scale if param_tier == "nvme" else 0
+    opt_bytes = 24 if optimizer_tier == "nvme" else 0
+    disk = int(spec.trainable_params / world_size * (opt_bytes + params_bytes))
+    if param_tier == "nvme" and spec.trainable_params < spec.params:
+        disk += int((spec.params - spec.trainable_params) / world_size * 4 * scale)
+    return disk

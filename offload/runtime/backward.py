@@ -1,0 +1,216 @@
+"""The backward tracker: which units a backward pass has reached, and their gradients'
+way into the rank's fp32 gradient shards (docs/engine.md).
+
+Per unit it keeps a `UnitPass` (IDLE → FORWARD: a grad-enabled forward ran, gradients will
+need reducing → BACKWARD: its pre-backward hook fired, it is gathered for backward → IDLE
+once reduced). Gradients complete through an autograd function on the unit's inputs
+(`PostBackward`): when the gradient of a unit's input is produced, every parameter
+gradient of that forward call is already accumulated (autograd runs a leaf's
+AccumulateGrad before other ready nodes; FSDP2 relies on the same ordering), so the
+unit's gradients are reduce-scattered into its host shard then, and the full buffer is
+freed. A callback at the end of backward (`finish`) catches every unit the trigger could
+not (inputs without grad, the root).
+
+With more than one rank a reduce-scatter is only issued at its unit and completed at the
+next unit's (or at the end of backward), so it runs under the backward of the unit before.
+`reduce` and `finish` return the units whose reduction completed: the optimizer-step
+policy updates them during backward when it runs the optimizer there.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from offload.runtime.build import acquire_storage
+from offload.runtime.timeline import Timeline, now
+from offload.units.partition import ROOT
+from offload.units.shard import FlatUnit
+
+__all__ = ["BackwardTracker", "UnitPass", "PostBackward"]
+
+
+class UnitPass(enum.Enum):
+    """Where one unit is in the current forward/backward pass."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    """A grad-enabled forward ran: gradients will need reducing."""
+    BACKWARD = "backward"
+    """Its pre-backward hook fired: it is gathered for backward."""
+
+
+@dataclass
+class _Track:
+    state: UnitPass = UnitPass.IDLE
+    n_forward: int = 0
+    """Grad-enabled forwards whose inputs carry our post-backward trigger."""
+    n_post_backward: int = 0
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward says "backward has left this unit"."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):  # type: ignore[override]
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.callback()
+        return (None,) + grads
+
+
+class BackwardTracker:
+    """Per-unit pass state and the gradient reduce-scatters in flight."""
+
+    def __init__(self, units: list[FlatUnit], states: list[Any], transient_grads: bool,
+                 timeline: Timeline, compute_started: Callable[[FlatUnit], float]) -> None:
+        self.units = units
+        self.states = states
+        self.transient_grads = transient_grads
+        self.timeline = timeline
+        self._compute_started = compute_started
+        self.active = False
+        """A backward pass is running (between the first pre-backward hook and its end)."""
+        self._tracks = [_Track() for _ in units]
+        self._reduces: list[tuple[FlatUnit, Any, float]] = []
+        """Gradient reduce-scatters issued, not yet completed, with when they were issued."""
+        self.world_size = units[0].pg.world_size if units else 1
+        self.rank = units[0].pg.rank if units else 0
+
+    # -- forward -----------------------------------------------------------------------
+
+    def is_recomputation(self, unit: FlatUnit) -> bool:
+        """A forward inside backward of a unit whose original forward carries the trigger
+        (non-reentrant activation checkpointing): it stays as it is; the recomputed graph
+        is never back-propagated, so a trigger on it would never fire. (Re-entrant
+        recomputation finds n_forward == 0: its original forward ran without grad.)"""
+        t = self._tracks[unit.index]
+        return self.active and (t.state is UnitPass.BACKWARD or t.n_forward > 0)
+
+    def forward_with_grad(self, unit: FlatUnit, inputs: list[torch.Tensor],
+                          on_post_backward: Callable[[], None]) -> list[torch.Tensor]:
+        """A grad-enabled forward of `unit` starts: its gradients will need reducing. Returns
+        the inputs that need grad, passed through the post-backward trigger (the root gets
+        none: the end of backward reduces it)."""
+        t = self._tracks[unit.index]
+        if t.state is UnitPass.IDLE:
+            t.state = UnitPass.FORWARD
+        if unit.index == ROOT or not inputs:
+            return inputs
+        t.n_forward += 1
+        return list(PostBackward.apply(on_post_backward, *inputs))
+
+    def nothing_pending(self, unit: FlatUnit) -> None:
+        """A forward backward will never visit (eval, no_grad) ended at `unit`."""
+        self._tracks[unit.index].state = UnitPass.IDLE
+
+    # -- backward ------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """The first pre-backward hook of a pass: True when this starts the pass."""
+        if self.active:
+            return False
+        self.active = True
+        return True
+
+    def entered(self, unit: FlatUnit) -> None:
+        self._tracks[unit.index].state = UnitPass.BACKWARD
+
+    def post_backward(self, unit: FlatUnit, check: Callable[[FlatUnit], None]) -> list[FlatUnit]:
+        """The trigger on one of the unit's forward calls fired; once all have, reduce."""
+        t = self._tracks[unit.index]
+        t.n_post_backward += 1
+        if t.n_post_backward >= t.n_forward:
+            return self.reduce(unit, check)
+        return []
+
+    def reduce(self, unit: FlatUnit, check: Callable[[FlatUnit], None]) -> list[FlatUnit]:
+        """Reduce-scatter the unit's gradients into its host shard and free it; returns the
+        units whose reduction completed now (all but the newest in flight, world size > 1).
+        `check(unit)` raises when the unit must not receive gradients now."""
+        st = self.states[unit.index]
+        t0 = now()
+        if st.grad.numel():
+            check(unit)
+            if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
+                acquire_storage(st.grad, unit.layout, self.rank,
+                                whole=self.world_size > 1 or st.grad_valid)
+            red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid)
+            st.grad_valid = True
+            st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
+            self._reduces.append((unit, red, t0))
+        t1 = now()
+        tl = self.timeline
+        tl.count("collective", t1 - t0)
+        if tl.enabled:
+            name = unit.name or "<root>"
+            if self._tracks[unit.index].state is UnitPass.BACKWARD:
+                tl.add(f"bwd {name}", "compute", "compute", self._compute_started(unit), t0, unit.index)
+            tl.add(f"reduce-issue {name}", "reduce", "compute", t0, t1, unit.index)
+        self._tracks[unit.index] = _Track()
+        if unit.index != ROOT:
+            unit.free()
+        return self.complete(keep=1 if self.world_size > 1 else 0)
+
+    def complete(self, keep: int) -> list[FlatUnit]:
+        """Complete the reduce-scatters in flight but the newest `keep`, oldest first (every
+        rank completes them at the same points); returns their units."""
+        done = []
+        while len(self._reduces) > keep:
+            unit, red, issued = self._reduces.pop(0)
+            t0 = now()
+            red.wait()
+            t1 = now()
+            self.timeline.count("collective", t1 - t0)
+            self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)
+            done.append(unit)
+        return done
+
+    def has_work(self) -> bool:
+        return self.active or any(t.state is not UnitPass.IDLE for t in self._tracks)
+
+    def finish(self, check: Callable[[FlatUnit], None],
+               updated: Callable[[list[FlatUnit]], None]) -> None:
+        """End of a backward pass: reduce every unit still pending, in one fixed order on
+        every rank (collectives must match), then free the root. `updated(units)` takes the
+        units whose reduction completed, as they complete (the optimizer in backward)."""
+        for unit in reversed(self.units):
+            if self._tracks[unit.index].state is not UnitPass.IDLE:
+                updated(self.reduce(unit, check))
+            elif unit.index != ROOT:
+                unit.free()
+            self._tracks[unit.index] = _Track()
+        updated(self.complete(keep=0))
+        self.units[ROOT].free()
+        self.active = False
+
+    def abort(self) -> None:
+        """A backward died half-way: issued collectives complete on every rank; partial
+        gradients and the pass state go (gradients of earlier micro-batches stay)."""
+        for _, red, _ in self._reduces:
+            try:
+                red.wait()
+            except Exception:  # noqa: BLE001 - the backward's own error is what is raised
+                pass
+        self._reduces = []
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+            unit.free()
+        self.reset()
+
+    def reset(self) -> None:
+        self._tracks = [_Track() for _ in self.units]
+        self.active = False
+
+    def drain(self) -> None:
+        """Wait for every reduce-scatter in flight (close)."""
+        for _, red, _ in self._reduces:
+            red.wait()
+        self._reduces = []

@@ -1,0 +1,383 @@
+"""Building the sharded model: what `offload.initialize` does before training can start.
+
+1. The model is cut into units (`offload.units.partition`) and each unit's flat layout is
+   computed (pure arithmetic): the swap files are sized from these before anything is
+   allocated.
+2. The parameter tier and the optimizer-state store are made; for NVMe, the rank's swap
+   directory, AIO handle and staging pool, after checking at the door that the machine can
+   hold them (directory, free space, a pinned budget that holds one unit). Every rank
+   learns whether any rank failed, so all raise together instead of some waiting in a
+   collective.
+3. Units, their gradient shards and optimizer state are allocated; the fp32 masters are
+   filled from the model's values (or by replaying a meta-built model's init, one module at
+   a time, `offload.units.materialize`), and each unit's low-precision shard is published
+   as soon as it has all its values. The module's parameters become views into the units.
+4. Buffers move to the compute device in the compute dtype; every `state_dict()` key is
+   indexed to the slot or buffer that holds its value.
+
+`build` returns a `Built`; the Engine wires its collaborators from it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from offload.dtypes import itemsize
+from offload.optim.sharded import (
+    UnitOptimizerState,
+    host_state_zeros,
+    moments_dtype,
+    resolve_param_groups,
+    transient_grad_shards,
+)
+from offload.runtime.view import Location, StateDictEntry
+from offload.sizes import align_up
+from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
+from offload.storage.tiers import make_param_tier
+from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.materialize import materialize_values
+from offload.units.partition import ParamRecord, UnitPlan, plan_units
+from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, layout_unit
+
+__all__ = ["Built", "build", "release_storage", "acquire_storage"]
+
+Planned = list[tuple[UnitPlan, UnitLayout, list[ParamRecord]]]
+
+
+@dataclass
+class Built:
+    """What `build` made; each piece is handed to the collaborator that owns it."""
+
+    units: list[FlatUnit]
+    states: list[UnitOptimizerState]
+    param_tier: Any
+    optimizer_states: Any
+    nvme: Any
+    """The rank's `NVMeContext`, or None without an NVMe tier."""
+    close_nvme: Optional[Callable[[], Any]]
+    """Deletes the swap files and stops the I/O workers, once (a `weakref.finalize`: it also
+    runs at garbage collection or interpreter exit); None without NVMe."""
+    param_groups: list[dict[str, Any]]
+    """torch-style groups over the units' parameters, for the optimizer."""
+    decoupled_weight_decay: bool
+    transient_grads: bool
+    """Gradient shards hold memory only between their reduce-scatter and their update."""
+    state_dict_index: list[StateDictEntry]
+    buffer_dtypes: dict[int, torch.dtype]
+
+
+def build(
+    owner: object,
+    model: nn.Module,
+    config: Any,
+    pg: ProcessGroupInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    optimizer: Any,
+) -> Built:
+    """Shard `model` for training (see the module docstring). `owner` is the object whose
+    garbage collection deletes the swap files (the Engine)."""
+    plans = plan_units(model, config.unit_modules)
+    groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
+    planned = _plan_layouts(plans, group_of, pg.world_size)
+    tiers = _Tiers(owner, config, pg, device, dtype, planned)
+    try:
+        units, states = _build_units(model, config, pg, device, dtype, planned, tiers)
+    except BaseException:
+        if tiers.close_nvme is not None:
+            tiers.close_nvme()  # no swap files left behind by a failed initialize
+        raise
+    buffer_dtypes = _swap_buffers(model, device, dtype)
+    opt_groups = []
+    for gi, g in enumerate(groups):
+        params = [u.params[i] for u in units for i, s in enumerate(u.layout.slots) if s.group == gi]
+        opt_groups.append({**g, "params": params})
+    return Built(
+        units=units, states=states, param_tier=tiers.param_tier,
+        optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
+        param_groups=opt_groups, decoupled_weight_decay=decoupled,
+        transient_grads=transient_grad_shards(config, device.type == "cuda"),
+        state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
+    )
+
+
+def _plan_layouts(plans: list[UnitPlan], group_of: dict[int, int], world_size: int) -> Planned:
+    out = []
+    for plan in plans:
+        entries = []
+        for rec in plan.params:
+            g = group_of.get(id(rec.param), FROZEN_GROUP) if rec.param.requires_grad else FROZEN_GROUP
+            entries.append((rec.name, tuple(rec.param.shape), g))
+        layout = layout_unit(entries, world_size)
+        by_name = {rec.name: rec for rec in plan.params}
+        out.append((plan, layout, [by_name[s.name] for s in layout.slots]))
+    return out
+
+
+class _Tiers:
+    """The parameter tier and the optimizer-state store, made together because on NVMe they
+    share one context; every rank agrees on success before any goes on."""
+
+    def __init__(self, owner: object, config: Any, pg: ProcessGroupInfo, device: torch.device,
+                 dtype: torch.dtype, planned: Planned) -> None:
+        from offload.storage.nvme import NVMeContext
+
+        off = config.offload
+        mdtype = moments_dtype(config.optimizer.moments_dtype)
+        uses_nvme = "nvme" in (off.param_tier, off.optimizer_tier)
+        self.nvme: Any = None
+        self.close_nvme: Optional[Callable[[], Any]] = None
+        self.optimizer_states: Any = None
+        error: Optional[BaseException] = None
+        try:
+            if uses_nvme:
+                _check_nvme(config, pg, dtype, mdtype, planned)
+                self.nvme = NVMeContext(
+                    off.nvme_path, pg.rank,
+                    budget_bytes=int(off.pinned_budget_bytes),
+                    block_size=config.aio.block_size,
+                    queue_depth=config.aio.queue_depth,
+                    threads=config.aio.threads,
+                    pin=off.pin_memory and device.type == "cuda",
+                )
+                # A bound method of the context, not of the owner: the finalizer must not
+                # keep the engine alive. It runs at garbage collection or interpreter exit.
+                self.close_nvme = weakref.finalize(owner, self.nvme.close)
+            extra: dict[str, Any] = {}
+            if off.param_tier == "nvme":
+                keys = [((i, "param"), lay.shard_numel, dtype) for i, (_, lay, _) in enumerate(planned)]
+                extra = {"nvme": self.nvme, "shards": keys}
+            self.param_tier = make_param_tier(off.param_tier, device, off.pin_memory, **extra)
+            if off.optimizer_tier == "nvme":
+                sizes = [(lay.shard_numel, lay.shard_optimized_numel(pg.rank)) for _, lay, _ in planned]
+                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype)
+        except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+            error = exc
+        if error is not None and self.close_nvme is not None:
+            self.close_nvme()  # delete what this rank created
+        if uses_nvme:
+            _agree_on(error, pg, device)
+        elif error is not None:
+            raise error
+
+
+def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
+                planned: Planned) -> None:
+    """What NVMe tiers need of the machine, checked before anything is created."""
+    from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
+
+    off = config.offload
+    check_swap_dir(off.nvme_path)
+    param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
+    for plan, layout, _ in planned:
+        shard = align_up(layout.shard_numel * itemsize(dtype)) if off.param_tier == "nvme" else 0
+        state = 0
+        if shard:
+            param_sizes.append(shard)
+        if off.optimizer_tier == "nvme":
+            state = state_layout(
+                layout.shard_numel, layout.shard_optimized_numel(pg.rank), itemsize(mdtype)
+            ).nbytes
+            optim_sizes.append(state)
+        # One unit's pinned working set (docs/nvme.md): during the step its state and its
+        # new parameter shard share one buffer; a fetch, or a store by copy, needs the shard.
+        need = state + shard
+        if need > worst[0]:
+            worst = (need, plan.name or "<root>", state, shard)
+    budget = int(off.pinned_budget_bytes)
+    if worst[0] > budget:
+        need, name, state, lowp = worst
+        raise ValueError(
+            f"offload.pinned_budget_bytes={budget} is too small for one unit: unit {name!r} "
+            f"needs {need} bytes of pinned staging ({state} bytes of optimizer state + "
+            f"{lowp} bytes of parameter shard); raise offload.pinned_budget_bytes to at "
+            f"least {need} ({3 * need} lets the optimizer pipeline overlap read, update "
+            "and write), or use smaller units (config.unit_modules)"
+        )
+    total = swap_bytes_needed([param_sizes, optim_sizes])
+    # Every rank of this node puts its files on the same disk: check for all of them (shards
+    # are equal-sized across ranks), before any rank preallocates. Ranks on other nodes use
+    # their own disks. Stale files of a crashed run count as free: opening the swap
+    # directory deletes them.
+    local = pg.local_world_size
+    check_free_space(
+        off.nvme_path, total * local,
+        f"the swap files of {local} rank(s) on this node ({total} bytes each: parameters "
+        f"{sum(param_sizes)}, optimizer states {sum(optim_sizes)})",
+        reclaimable_bytes=stale_swap_bytes(off.nvme_path),
+    )
+
+
+def _agree_on(error: Optional[BaseException], pg: ProcessGroupInfo, device: torch.device) -> None:
+    """Raise `error` on this rank, and an error naming the failure on every other rank."""
+    if pg.world_size > 1:
+        flag = torch.tensor([0.0 if error is None else float(pg.rank + 1)])
+        failed = int(all_reduce_host(flag, "max", pg, device).item())
+        if error is None and failed:
+            raise RuntimeError(
+                f"rank {failed - 1} could not set up its NVMe tier (see its error); "
+                "this rank stops with it"
+            )
+    if error is not None:
+        raise error
+
+
+def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: torch.device,
+                 dtype: torch.dtype, planned: Planned, tiers: _Tiers
+                 ) -> tuple[list[FlatUnit], list[UnitOptimizerState]]:
+    units: list[FlatUnit] = []
+    states: list[UnitOptimizerState] = []
+    records: list[list[ParamRecord]] = []
+    param_tier = tiers.param_tier
+    cpu = torch.device("cpu")
+    on_nvme = tiers.optimizer_states is not None
+    # fp32 compute on the CPU: the parameter shard and the fp32 master are the same bytes,
+    # so the optimizer updates the parameters in place and nothing is copied.
+    alias_master = (
+        dtype == torch.float32 and param_tier.addressable and param_tier.device == cpu and not on_nvme
+    )
+    mdtype = moments_dtype(config.optimizer.moments_dtype)
+    transient = transient_grad_shards(config, device.type == "cuda")
+    for index, (plan, layout, recs) in enumerate(planned):
+        shard_numel = layout.shard_numel
+        # On NVMe the master exists in host memory only while the unit is initialized
+        # (allocated on its first value, written out and dropped when complete).
+        master = None if on_nvme else host_state_zeros(shard_numel, torch.float32)
+        if alias_master:
+            param_tier.adopt((index, "param"), master)
+        unit = FlatUnit(index, plan.name, layout, param_tier, dtype, device, pg,
+                        [r.param.requires_grad for r in recs])
+        trainable = any(r.param.requires_grad for r in recs)
+        n_opt = layout.shard_optimized_numel(pg.rank)
+        grad_numel = shard_numel if trainable else 0
+        if transient:
+            # Sized but holding no memory until its unit's reduce-scatter (and again none
+            # after the unit's update during backward): see transient_grad_shards.
+            grad = torch.empty(grad_numel, dtype=torch.float32)
+            release_storage(grad)
+        else:
+            # pinned on a GPU run: the reduce-scattered shard comes down by DMA
+            grad = torch.zeros(grad_numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+        states.append(UnitOptimizerState(
+            unit=unit, master=master, grad=grad,
+            exp_avg=None if on_nvme else host_state_zeros(n_opt, mdtype),
+            exp_avg_sq=None if on_nvme else host_state_zeros(n_opt, mdtype),
+            slot_steps=[0] * len(layout.slots), slot_has_grad=[False] * len(layout.slots),
+            n_optimized=n_opt,
+        ))
+        units.append(unit)
+        records.append(recs)
+    if tiers.optimizer_states is None:
+        tiers.optimizer_states = HostOptimizerStates(
+            states, staging=None if tiers.nvme is None else tiers.nvme.staging
+        )
+    _fill_masters(model, units, states, records, tiers.optimizer_states)
+    for unit, recs in zip(units, records):
+        for rec, p in zip(recs, unit.params):
+            for owner, attr in rec.owners:
+                owner._parameters[attr] = p
+        if not unit.aliased:
+            unit.free()
+    # The model's original parameters are now referenced by nothing of ours: their memory
+    # goes back as soon as the caller drops its own references.
+    return units, states
+
+
+def _fill_masters(model: nn.Module, units: list[FlatUnit],
+                  states: list[UnitOptimizerState], records: list[list[ParamRecord]],
+                  optimizer_states: Any) -> None:
+    """Fill the masters from the model's values (or replay the init of a meta-built model,
+    one module at a time); as soon as a unit has all its values, publish its low-precision
+    shard (and, on NVMe, write its state and drop the host master)."""
+    slot_of = {id(rec.param): (ui, si) for ui, recs in enumerate(records) for si, rec in enumerate(recs)}
+    missing = [len(recs) for recs in records]
+
+    def finish(ui: int) -> None:
+        st = states[ui]
+        if st.master is None:
+            st.master = torch.zeros(st.unit.layout.shard_numel, dtype=torch.float32)
+        units[ui].publish(st.master)
+        optimizer_states.initialized(ui, st)
+
+    finished: set[int] = set()
+    for pid, value in materialize_values(model, records, slot_of):
+        ui, si = slot_of[pid]
+        st = states[ui]
+        if st.master is None:  # NVMe: this unit's first value during initialize
+            st.master = torch.zeros(units[ui].layout.shard_numel, dtype=torch.float32)
+        units[ui].set_master_slot(si, value, st.master)
+        missing[ui] -= 1
+        if missing[ui] == 0:
+            finish(ui)
+            finished.add(ui)
+    for ui in range(len(units)):
+        if ui not in finished:
+            finish(ui)  # a unit without parameters
+
+
+def _swap_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """Buffers are not sharded: each rank keeps them whole on the compute device, cast to
+    the compute dtype when floating (as `model.to(dtype)` would). Returns id(new buffer) ->
+    the dtype the model gave it."""
+    buffer_dtypes: dict[int, torch.dtype] = {}
+    new_of: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in new_of:
+                if b.is_meta:
+                    raise ValueError(
+                        f"buffer {name!r} of {type(m).__name__} is still on the meta device; "
+                        "give the module a reset_parameters() that re-creates it, or build "
+                        "the model outside offload.init"
+                    )
+                nb = b.detach().to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+                new_of[id(b)] = nb
+                buffer_dtypes[id(nb)] = b.dtype
+            m._buffers[name] = new_of[id(b)]
+    return buffer_dtypes
+
+
+def _index_state_dict(model: nn.Module, units: list[FlatUnit]) -> list[StateDictEntry]:
+    """For each key of `model.state_dict()`: which slot or buffer holds its value."""
+    where = {id(p): (ui, si) for ui, unit in enumerate(units) for si, p in enumerate(unit.params)}
+    out = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor) and id(value) in where:
+            out.append(StateDictEntry(key, Location.PARAM, where[id(value)]))
+        elif isinstance(value, torch.Tensor):
+            out.append(StateDictEntry(key, Location.BUFFER, value))
+        else:
+            out.append(StateDictEntry(key, Location.OTHER, value))
+    return out
+
+
+def release_storage(t: torch.Tensor) -> None:
+    """Give a tensor's memory back, keeping its size (a transient gradient shard)."""
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def acquire_storage(t: torch.Tensor, layout: UnitLayout, rank: int, whole: bool) -> None:
+    """Memory for a released gradient shard again. At world size 1 the reduce writes every
+    slot (a copy, or zeros for a parameter without gradient) but never the alignment gaps
+    between slots, which must read as zeros: only those are zeroed. `whole`: zero it all."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    if whole:
+        t.zero_()
+        return
+    lo, hi = layout.shard_range(rank)
+    pos = lo
+    for slot in sorted(layout.slots, key=lambda s: s.offset):
+        if slot.offset > pos:
+            t[pos - lo : min(slot.offset, hi) - lo].zero_()
+        pos = max(pos, slot.end)
+    if pos < hi:
+        t[pos - lo :].zero_()

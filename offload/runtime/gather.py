@@ -1,0 +1,210 @@
+"""The gather owner: hands a unit a ready, gathered parameter buffer when its forward or
+backward needs it (docs/prefetch.md).
+
+It owns the schedule (the recorded order of units and the cursor following it), the
+prefetcher (shards fetched ahead, per tier) and the all-gathers issued ahead. At every use
+it follows the trace, waits only for what has not arrived (the wait is stall time, counted
+in the timeline), gathers the unit, and starts what the trace needs next within the
+budgets. Whether a fetch is a disk read into a pooled buffer or a copy on a side stream
+is the prefetcher's and the tier's business: the gather asks the entry to `wait()` and gets
+either the shard to copy into the unit's slot or nothing more to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from offload.runtime.prefetch import Prefetcher
+from offload.runtime.schedule import Phase, Schedule
+from offload.runtime.timeline import Timeline, now
+from offload.units.partition import ROOT
+from offload.units.shard import FlatUnit
+
+__all__ = ["Gatherer"]
+
+
+class Gatherer:
+    """Schedule + prefetcher + gathers issued ahead, for one engine's units."""
+
+    def __init__(self, units: list[FlatUnit], param_tier: Any, prefetch_config: Any,
+                 dtype: torch.dtype, world_size: int, timeline: Timeline) -> None:
+        self.units = units
+        self.world_size = world_size
+        self.timeline = timeline
+        self.schedule = Schedule(
+            [0 if u.aliased else u.layout.padded_numel * dtype.itemsize for u in units],
+            prefetch_config.prefetch_bytes, prefetch_config.keep_bytes, pinned=[ROOT],
+        )
+        self.prefetcher = Prefetcher(units, param_tier, timeline)
+        self._issued: dict[int, float] = {}
+        """Units whose all-gather was issued ahead, with when (the timeline's span start)."""
+        self._compute_t0 = [0.0] * len(units)
+
+    # -- the iteration -----------------------------------------------------------------
+
+    def begin_iteration(self, step: int, training: bool) -> None:
+        """A forward of the root outside backward: a new iteration of the schedule (traces
+        are kept per grad mode and train/eval)."""
+        if torch.is_grad_enabled():
+            self.timeline.begin_step(step)
+        self.schedule.begin((torch.is_grad_enabled(), training))
+
+    def use(self, unit: FlatUnit, phase: Phase) -> None:
+        """Unit `unit` is needed now: follow the trace, gather it (consuming its prefetch),
+        and start fetching what the trace needs next."""
+        following = self.schedule.use(unit.index, phase.value)
+        if following:
+            self.prefetcher.poll()
+        elif self.schedule.diverged:
+            self.prefetcher.drop(keep_fresh=True)  # off trace: what was fetched ahead may go unused
+            if self.timeline.current is not None:
+                self.timeline.current.off_trace = True
+        self._gather(unit)
+        if following:
+            self._prefetch_ahead()
+            self._gather_next()
+        self._compute_t0[unit.index] = now()
+
+    def compute_started(self, unit: FlatUnit) -> float:
+        """When the unit's current compute (forward or backward) began."""
+        return self._compute_t0[unit.index]
+
+    def after_forward(self, unit: FlatUnit, backward_follows: bool) -> None:
+        """The unit's forward is done: free it, unless the trace says its backward comes
+        soon (kept within prefetch.keep_bytes); then fetch ahead (it may be the next one)."""
+        if unit.index == ROOT:
+            if not backward_follows:
+                unit.free()  # a forward backward will never visit (eval, no_grad)
+            return
+        if not (backward_follows and self.schedule.keep_after_forward(unit.index)):
+            unit.free()
+            if self.schedule.following:
+                self._prefetch_ahead()
+                self._gather_next()
+
+    def next_uses(self, phase: Phase, n: int) -> list[int]:
+        return self.schedule.next_uses(phase.value, n)
+
+    def end_backward(self) -> None:
+        """The backward pass ended: the iteration is over; drop what was fetched ahead and
+        not used (except copies of this step's new shards, still valid)."""
+        self.schedule.end()
+        self.prefetcher.drop(keep_fresh=True)
+
+    def abort(self) -> None:
+        """A backward died half-way, or the engine failed: forget everything fetched."""
+        self.schedule.end()
+        self.prefetcher.drop()
+
+    def drop(self, index: Optional[int] = None, keep_fresh: bool = False) -> None:
+        """Unit `index`'s shard (or every shard) is about to change: fetched copies are stale."""
+        self.prefetcher.drop(index, keep_fresh=keep_fresh)
+
+    def keep_new_shards_for_next_iteration(self) -> None:
+        """The units the next forward uses first keep their new shards when the optimizer
+        writes them (no read back from the tier)."""
+        self.prefetcher.write_through = frozenset(self.schedule.next_iteration())
+
+    def before_optimizer_step(self) -> None:
+        """Shards are about to change: drop stale fetches (fresh ones already did), keep the
+        next iteration's first new shards, free anything still gathered (kept by a forward
+        without backward)."""
+        self.prefetcher.drop(keep_fresh=True)
+        self.keep_new_shards_for_next_iteration()
+        for unit in self.units:
+            unit.free()
+
+    def prefetch_next_iteration(self) -> None:
+        """Between iterations (after a step, or between micro-batches): start fetching the
+        first units the next forward will need, the root first."""
+        self.prefetcher.start_in_order(self.schedule.next_iteration())
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            unit.free()  # waits for a gather in flight (every rank takes part in it)
+
+    # -- fetching and gathering -----------------------------------------------------------
+
+    def _prefetch_ahead(self) -> None:
+        self.prefetcher.start_in_order(self.schedule.ahead())
+
+    def _gather_next(self) -> None:
+        """Issue the all-gather of the next unit on the trace now (world size > 1), so it
+        runs under this unit's compute. Every rank reaches the same trace positions in the
+        same order, so they issue the same gathers in the same order (docs/prefetch.md)."""
+        if self.world_size == 1:
+            return
+        u = self.schedule.next_unit()
+        if u is None:
+            return
+        unit = self.units[u]
+        if unit.is_gathered or unit.gathering:
+            return
+        entry, local, filled = self._local_shard(unit)
+        try:
+            t0 = now()
+            issued = unit.start_gather(local=local, filled=filled)
+            t1 = now()
+        finally:
+            if local is not None:
+                entry.drop()  # copied into the unit's slot of `full` before the gather
+        self.timeline.count("collective", t1 - t0)
+        if issued:
+            self._issued[u] = t0
+
+    def _gather(self, unit: FlatUnit) -> None:
+        if unit.is_gathered:
+            return
+        tl = self.timeline
+        if unit.gathering:  # issued ahead by _gather_next: wait for it
+            t0 = now()
+            unit.gather()
+            t1 = now()
+            tl.count("collective", t1 - t0)
+            issued = self._issued.pop(unit.index, t0)
+            tl.add(f"gather {unit.name or '<root>'}", "gather", "comm", issued, t1, unit.index, ahead=True)
+            return
+        entry, local, filled = self._local_shard(unit)
+        try:
+            t1 = now()
+            unit.gather(local=local, filled=filled)
+            t2 = now()
+        finally:
+            if local is not None:
+                entry.drop()  # the staging buffer goes back once copied into `full`
+        tl.count("collective", t2 - t1)
+        tl.add(f"gather {unit.name or '<root>'}", "gather", "compute", t1, t2, unit.index)
+
+    def _local_shard(self, unit: FlatUnit) -> tuple[Any, Optional[torch.Tensor], bool]:
+        """This rank's shard of `unit`, for its gather: the prefetcher's entry (or one
+        fetched now), waited for. Returns (entry, local, filled): `local` is the shard in a
+        pooled host buffer (the caller drops the entry once it is copied), `filled` says a
+        copy already put it in the unit's slot; (None, None, False) when the tier's shard is
+        gathered from where it lives. Counts the wait and records the spans."""
+        tl = self.timeline
+        entry = self.prefetcher.take(unit.index)
+        ahead = entry is not None
+        if entry is None:
+            entry = self.prefetcher.fetch_now(unit.index)
+        if entry is None:
+            return None, None, False
+        cur = tl.current
+        if cur is not None:
+            cur.prefetched += int(ahead)
+            cur.on_demand += int(not ahead)
+        t0 = now()
+        local = entry.wait()
+        filled = local is None
+        t1 = now()
+        tl.count("fetch_wait", t1 - t0)
+        if filled:
+            tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
+        if tl.enabled:
+            kind = entry.label
+            name = unit.name or "<root>"
+            tl.add(f"{kind} {name}", kind, "io", entry.started, entry.done_at or t1, unit.index, ahead=ahead)
+            if t1 - t0 > 1e-5:
+                tl.add(f"wait {name}", "wait", "compute", t0, t1, unit.index)
+        return entry, local, filled

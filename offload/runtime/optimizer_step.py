@@ -1,0 +1,299 @@
+"""The optimizer-step policy: when and how the sharded optimizer updates the units.
+
+It owns the step counters, the loss scaler, the non-finite-loss guard and the choice, once
+per backward pass, of where updates run (`StepMode`):
+- `AT_STEP`: `engine.step()` at an accumulation boundary computes the fp16 overflow flag
+  and the global gradient norm across ranks, folds loss scale, accumulation and clipping
+  into one `grad_scale`, and runs the CPU Adam over every unit's shard.
+- `IN_BACKWARD`: each unit is updated as soon as its gradient shard is final (its
+  reduce-scatter completed), under the backward of the units before it. Only when nothing
+  needs the whole gradient first: no clipping, no fp16 loss scale, at a boundary, and no
+  non-finite loss this step (docs/prefetch.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from offload.runtime.loss_scaler import LossScaler
+from offload.runtime.timeline import Timeline, now
+from offload.runtime.view import StepCounters
+from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.shard import FlatUnit
+
+logger = logging.getLogger("offload.engine")
+
+__all__ = ["StepMode", "StepPolicy"]
+
+
+class StepMode(enum.Enum):
+    AT_STEP = "at_step"
+    IN_BACKWARD = "in_backward"
+
+
+class StepPolicy:
+    """Counters, loss scale and the optimizer's updates for one engine."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, optimizer: Any, states: list[Any],
+                 pg: ProcessGroupInfo, device: torch.device, timeline: Timeline, nvme: Any,
+                 transient_grads: bool) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.optimizer = optimizer
+        self.states = states
+        self.pg = pg
+        self.device = device
+        self.timeline = timeline
+        self.nvme = nvme
+        self.transient_grads = transient_grads
+        self.scaler = LossScaler.from_precision(config.precision)
+        self.counters = StepCounters()
+        self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        self.lr_scheduler: Any = None
+        self.mode = StepMode.AT_STEP
+        self.updated: set[int] = set()
+        """Units whose update already ran during this step's backward."""
+        self.pass_updates = 0
+        """Updates run by the current backward pass (a failure after one is part-applied)."""
+        self._nonfinite_loss: Optional[float] = None
+        """A non-finite loss seen in this accumulation step (nonfinite_loss='skip')."""
+        self._hyper_at_backward: Optional[list[tuple]] = None
+        self._warned_hyper = False
+
+    # -- micro-batches -------------------------------------------------------------------
+
+    def is_boundary(self) -> bool:
+        return (self.counters.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @property
+    def step_index(self) -> int:
+        """Optimizer steps taken so far, applied or skipped."""
+        return self.counters.global_steps + self.counters.skipped_steps
+
+    def nonfinite_loss(self, loss: torch.Tensor) -> Optional[float]:
+        """config.nonfinite_loss (bf16/fp32): the loss value when any rank's loss is NaN/inf
+        (every rank agrees, so collectives stay matched), else None."""
+        mode = self.config.nonfinite_loss
+        if mode == "off" or self.dtype == torch.float16:
+            return None
+        value = float(loss.detach().float())
+        flag = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+        if self.pg.world_size > 1:
+            flag = self._all_reduce(flag, "max")
+        return value if flag.item() else None
+
+    def skip_for_loss(self, value: float) -> None:
+        """The micro-batch with loss `value` ran no backward: skip this step at its boundary,
+        or raise (nonfinite_loss='raise')."""
+        if self.config.nonfinite_loss == "raise":
+            where = f"loss {value}" if not math.isfinite(value) else "a non-finite loss on another rank"
+            raise FloatingPointError(
+                f"{where} at optimizer step {self.step_index}, micro-batch "
+                f"{self.counters.micro_steps}: nothing was applied; skip this batch and go on, "
+                "lower the learning rate, or set nonfinite_loss='skip' to skip such steps"
+            )
+        self._nonfinite_loss = value
+
+    # -- updates during backward -----------------------------------------------------------
+
+    def start_backward(self) -> StepMode:
+        """Decide, once per backward pass, whether units update as their gradients finish."""
+        self.pass_updates = 0
+        if self.updated:
+            raise RuntimeError(
+                "a second backward pass before engine.step(), after the first one already ran "
+                "optimizer updates (prefetch.optimizer_in_backward); call engine.step() after "
+                "each engine.backward(), or set prefetch.optimizer_in_backward=false"
+            )
+        in_backward = (
+            self.config.prefetch.optimizer_in_backward
+            and self._nonfinite_loss is None  # this step will be skipped
+            and float(self.config.gradient_clipping) <= 0.0
+            and self.dtype != torch.float16
+            and self.scaler.scale == 1.0
+            and self.is_boundary()
+        )
+        self.mode = StepMode.IN_BACKWARD if in_backward else StepMode.AT_STEP
+        return self.mode
+
+    def check_gradients_wanted(self, unit: FlatUnit) -> None:
+        """Raise when `unit` would receive gradients after its update ran in backward."""
+        if unit.index in self.updated:
+            raise RuntimeError(
+                f"unit {unit.name or '<root>'} received gradients after its optimizer update "
+                "ran during backward (two backward passes before engine.step() at an "
+                "accumulation boundary?); set prefetch.optimizer_in_backward=false for such "
+                "loops, or call engine.step() after each engine.backward()"
+            )
+
+    def update_in_backward(self, unit: FlatUnit) -> None:
+        """Update `unit` now: its gradient shard is final."""
+        st = self.states[unit.index]
+        tl = self.timeline
+        if self.pg.world_size > 1:
+            # Which parameters got a gradient on any rank (the step's sync_has_grad, for this
+            # unit now): every rank reduces units in the same order, so this matches.
+            t0 = now()
+            flags = torch.tensor([float(h) for h in st.slot_has_grad], dtype=torch.float32)
+            flags = self._all_reduce(flags, "max")
+            st.slot_has_grad = [bool(v) for v in flags.tolist()]
+            tl.count("collective", now() - t0)
+        if self._hyper_at_backward is None:
+            self._hyper_at_backward = self._hyperparameters()
+        io0 = self._io_wait()
+        t0 = now()
+        updated = self.optimizer.update_unit(
+            unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
+        )
+        t1 = now()
+        self.updated.add(unit.index)
+        self.pass_updates += 1
+        if self.transient_grads:
+            from offload.runtime.build import release_storage
+
+            release_storage(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
+        tl.count("optimizer", t1 - t0)
+        tl.count("optimizer_in_backward", t1 - t0)
+        if self.nvme is not None:
+            tl.count("optimizer_io", self._io_wait() - io0)
+        if tl.current is not None:
+            tl.current.optimizer_in_backward_units += int(updated)
+        tl.add(f"adam {unit.name or '<root>'}", "optimizer", "optimizer", t0, t1, unit.index)
+
+    # -- the step ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def apply(self) -> Optional[FloatingPointError]:
+        """Apply (or skip) the optimizer step at a boundary; returns the error to raise once
+        the step's bookkeeping is done (nonfinite_loss='raise' and a non-finite norm)."""
+        skip = self.updated
+        # NVMe: the first units' state reads run under the overflow check and the norm.
+        self.optimizer.prefetch(skip)
+        self._sync_has_grad()
+        unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
+        overflow = False
+        if self.dtype == torch.float16:
+            flag = torch.zeros(1, dtype=torch.float32)
+            for st in self.states:
+                g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
+                if g.numel() and not torch.isfinite(g).all():
+                    flag.fill_(1.0)
+                    break
+            overflow = bool(self._all_reduce(flag, "max").item())
+        if self._nonfinite_loss is not None:
+            logger.warning(
+                "optimizer step %d skipped: a micro-batch's loss was %s (nonfinite_loss='skip'); "
+                "%d step(s) skipped so far", self.step_index, self._nonfinite_loss,
+                self.counters.skipped_steps + 1,
+            )
+            overflow = True
+            self._nonfinite_loss = None
+        clip = float(self.config.gradient_clipping)
+        grad_scale: Optional[float] = unscale
+        nonfinite: Optional[FloatingPointError] = None
+        if not overflow and clip > 0.0:
+            total = self._grad_norm(unscale)
+            self.counters.last_grad_norm = total
+            if not math.isfinite(total) and self.config.nonfinite_loss != "off":
+                # a finite loss with non-finite gradients (bf16/fp32): the same guard
+                if self.config.nonfinite_loss == "raise":
+                    nonfinite = FloatingPointError(
+                        f"the gradient norm of optimizer step {self.step_index} is {total}: the "
+                        "step was skipped, nothing was applied; set nonfinite_loss='skip' to "
+                        "skip such steps without raising"
+                    )
+                else:
+                    logger.warning("optimizer step %d skipped: the gradient norm is %s "
+                                   "(nonfinite_loss='skip')", self.step_index, total)
+                overflow = True
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
+            grad_scale = unscale * min(1.0, clip / (total + 1e-6))
+        if overflow:
+            grad_scale = None
+            self.counters.last_grad_norm = float("inf")
+        tl = self.timeline
+        io0 = self._io_wait()
+        t0 = now()
+        with tl.span("adam (step)", "optimizer", "optimizer"):
+            self.optimizer.step(grad_scale=grad_scale, skip=skip)
+        tl.count("optimizer", now() - t0)
+        if self.nvme is not None:
+            tl.count("optimizer_io", self._io_wait() - io0)
+        self._check_hyperparameters()
+        self.updated = set()
+        self.mode = StepMode.AT_STEP
+        self.scaler.update(overflow)
+        if overflow:
+            self.counters.skipped_steps += 1
+        else:
+            self.counters.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        return nonfinite
+
+    def _grad_norm(self, unscale: float) -> float:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for st in self.states:
+            # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
+            g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
+            if g.numel():
+                sq += torch.dot(g, g).double()
+        return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
+
+    def reset(self) -> None:
+        """After a failure, or a load that restored every unit: no update is pending."""
+        self.updated = set()
+        self.mode = StepMode.AT_STEP
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _hyperparameters(self) -> list[tuple]:
+        return [
+            (float(g["lr"]), tuple(g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+            for g in self.optimizer.param_groups
+        ]
+
+    def _check_hyperparameters(self) -> None:
+        """Units updated during backward used the hyperparameters of that moment: say so
+        (once) if the user changed them between backward and step."""
+        before, self._hyper_at_backward = self._hyper_at_backward, None
+        if before is None or self._warned_hyper or before == self._hyperparameters():
+            return
+        self._warned_hyper = True
+        warnings.warn(
+            "optimizer hyperparameters (lr, betas, eps, weight_decay) changed between "
+            "engine.backward() and engine.step(); with prefetch.optimizer_in_backward the units "
+            "updated during backward used the earlier values. Set them before the forward "
+            "(or before engine.backward()), or set prefetch.optimizer_in_backward=false",
+            RuntimeWarning, stacklevel=4,
+        )
+
+    def _sync_has_grad(self) -> None:
+        """Agree across ranks on which parameters got a gradient this step (a parameter
+        skipped on one rank but not another is updated everywhere with the average)."""
+        if self.pg.world_size == 1:
+            return
+        flags = torch.tensor(
+            [float(h) for st in self.states for h in st.slot_has_grad], dtype=torch.float32
+        )
+        if flags.numel() == 0:
+            return
+        flags = self._all_reduce(flags, "max")
+        i = 0
+        for st in self.states:
+            n = len(st.slot_has_grad)
+            st.slot_has_grad = [bool(v) for v in flags[i : i + n].tolist()]
+            i += n
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return all_reduce_host(t, op, self.pg, self.device)
+
+    def _io_wait(self) -> float:
+        return self.nvme.stats.wait_s if self.nvme is not None else 0.0

@@ -1,0 +1,98 @@
+"""The engine's training state as checkpoints, weight export and accounting see it.
+
+`offload.checkpoint` and the weight export functions take a `ShardedState`, never the
+`Engine`: what they may read and restore is this list, not whatever the engine happens to
+hold. The Engine builds one at `initialize` (`engine.sharded_state`); every field is owned
+by the collaborator named beside it, the view only points at it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["StepCounters", "Location", "StateDictEntry", "ShardedState"]
+
+
+@dataclass
+class StepCounters:
+    """Where training is; owned by the optimizer-step policy (runtime/optimizer_step.py),
+    restored by a checkpoint load."""
+
+    global_steps: int = 0
+    """Applied optimizer steps."""
+    micro_steps: int = 0
+    """`engine.step()` calls (micro-batches)."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped (fp16 overflow, a non-finite loss or gradient norm)."""
+    last_grad_norm: Optional[float] = None
+
+
+class Location(Enum):
+    """What holds the value of one `model.state_dict()` key."""
+
+    PARAM = "param"
+    """A slot of a unit: `where` is (unit index, slot index)."""
+    BUFFER = "buffer"
+    """A module buffer (whole on every rank, on the compute device): `where` is the tensor."""
+    OTHER = "other"
+    """A non-tensor extra state: `where` is the value."""
+
+
+@dataclass(frozen=True)
+class StateDictEntry:
+    key: str
+    location: Location
+    where: Any
+
+
+@dataclass
+class ShardedState:
+    """The engine, as the code around it needs it."""
+
+    module: nn.Module
+    config: Any
+    """The typed `offload.config.Config` the engine runs with."""
+    rank: int
+    world_size: int
+    pg: Any
+    """`offload.units.collectives.ProcessGroupInfo`: the group and its ranks."""
+    device: torch.device
+    dtype: torch.dtype
+    """Compute dtype of the gathered parameters."""
+    units: list
+    """`FlatUnit`s, in unit order (index 0 is the root)."""
+    states: list
+    """Per unit, its `UnitOptimizerState` (gradient shard, step counts, ...)."""
+    optimizer: Any
+    """`offload.optim.sharded.ShardedAdam`: param groups, per-unit state in and out."""
+    param_tier: Any
+    optimizer_states: Any
+    """The optimizer-state store (host memory or NVMe)."""
+    nvme: Any
+    """The rank's `NVMeContext` (swap directory, AIO handle, staging pool) or None."""
+    scaler: Any
+    """`LossScaler` (fp16 loss scale; its state_dict goes into checkpoints)."""
+    counters: StepCounters
+    state_dict_index: list[StateDictEntry] = field(default_factory=list)
+    """For each key of `module.state_dict()`, in order: what holds its value."""
+    buffer_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
+    """id(buffer) -> the dtype the model gave it (buffers run in the compute dtype)."""
+    lr_scheduler: Any = None
+
+    def sync_device(self) -> None:
+        """Wait for the compute device's queued work (host-to-device copies read host shards
+        that a load is about to rewrite)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def write_master_slot(
+        self, ui: int, si: int, value: torch.Tensor, master: torch.Tensor
+    ) -> None:
+        """Copy this rank's part of parameter `si` of unit `ui` from its full `value` into
+        the unit's fp32 `master` shard (nothing when the parameter is on other ranks)."""
+        self.units[ui].set_master_slot(si, value, master)
