@@ -26,6 +26,7 @@ layers):
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -157,10 +158,8 @@ class Engine:
             store=built.optimizer_states,
         )
         tl = config.timeline
-        self.timeline = Timeline(tl.enabled, tl.path)
-        if self.nvme is not None:
-            stats = self.nvme.stats
-            self.timeline.io_wait_clock = lambda: stats.wait_s
+        self.timeline = Timeline(tl.enabled, tl.path,
+                                 io_stats=None if self.nvme is None else self.nvme.stats)
         self.gather = Gatherer(self.units, self.param_tier, config.prefetch, self.dtype,
                                self.world_size, self.timeline)
         self.policy = StepPolicy(config, self.dtype, self.optimizer, self.states, self.pg,

@@ -182,7 +182,7 @@ def test_results_unchanged_with_io_delays(tmp_path, baselines, request):
 
 def test_nvme_tier_fetch_waits_for_the_write_in_flight(tmp_path, slow_io):
     from offload.storage.nvme import NVMeContext
-    from offload.storage.tiers import NVMeTier
+    from offload.storage.nvme_tier import NVMeTier
 
     ctx = NVMeContext(str(tmp_path), 0, budget_bytes=1 << 20, block_size=4096, queue_depth=4, threads=2)
     ctx.aio.close()

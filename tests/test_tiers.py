@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.storage.tiers import DeviceTier, HostTier, make_param_tier
+from offload.storage.nvme_tier import make_param_tier
+from offload.storage.tiers import DeviceTier, HostTier
 
 
 @pytest.mark.parametrize("make", [lambda: DeviceTier(torch.device("cpu")), lambda: HostTier(pin_memory=True)])

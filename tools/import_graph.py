@@ -61,8 +61,8 @@ class Module:
     """offload module imported -> [(line, imported name or '')]"""
 
 
-def _module_name(path: str) -> str:
-    rel = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
+def _module_name(path: str, root: str = ROOT) -> str:
+    rel = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
@@ -76,8 +76,9 @@ def scan(root: str = ROOT) -> dict[str, Module]:
             path = os.path.join(dirpath, f)
             with open(path, encoding="utf-8") as fh:
                 src = fh.read()
-            mods[_module_name(path)] = Module(_module_name(path), path, src.count("\n"))
-            mods[_module_name(path)].imports = _imports(ast.parse(src, path), _module_name(path), path)
+            name = _module_name(path, root)
+            mods[name] = Module(name, path, src.count("\n"))
+            mods[name].imports = _imports(ast.parse(src, path), name, path)
     known = set(mods) | {"offload._C"}  # the native extension (a .so)
     for m in mods.values():  # `from offload.x import y` where y is a module: an edge to offload.x.y
         for target, uses in list(m.imports.items()):

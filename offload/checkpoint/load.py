@@ -53,7 +53,7 @@ from offload.storage.io import probe_direct_io
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DEFAULT_WINDOW,
-    Staging,
+    CheckpointIO,
     CheckpointCorruptError,
     ReadJob,
     ShardReader,
@@ -117,7 +117,7 @@ def load_units(
     """Every unit's master and moments (this rank's shard under the current layout) from
     checkpoint `path` into the optimizer's store, with per-parameter step counts from
     `steps_by_name` (0 for a name not there). See the module docstring."""
-    staging = Staging.of(sharded.optimizer, sharded.config.aio, 0.0, saved["chunk_bytes"], window)
+    staging = CheckpointIO.of(sharded.optimizer, sharded.config.aio, 0.0, saved["chunk_bytes"], window)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
     records = manifest.records_by_rank(path, saved)
     pending: dict[int, dict[str, torch.Tensor]] = {}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
-from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, Staging
+from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointIO
 from offload.runtime.view import Location, ShardedState
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -166,7 +166,7 @@ def _write_rank(
     """This rank's two files in `tmp`; returns their records for the manifest."""
     rank = sharded.rank
     shards_path = os.path.join(tmp, files.shard_file(rank))
-    staging = Staging.of(sharded.optimizer, sharded.config.aio, files.io_delay_s(), chunk_bytes, window)
+    staging = CheckpointIO.of(sharded.optimizer, sharded.config.aio, files.io_delay_s(), chunk_bytes, window)
     writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
     # NVMe: read the next unit's state from the swap file while this one is written.
     states = _UnitStates(sharded.optimizer, ahead=not state_in_host_memory(sharded))

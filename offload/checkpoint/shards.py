@@ -136,7 +136,7 @@ class StagingRing:
         self._slab = None
 
 
-class Staging:
+class CheckpointIO:
     """An owner's I/O handle and staging ring, kept between checkpoints.
 
     Made on first use and reused: a fresh ring costs a page fault per 4 KiB on its first
@@ -147,7 +147,7 @@ class Staging:
     hashable, which the view itself (a dataclass that compares by value) is not.
     """
 
-    _by_owner: "weakref.WeakKeyDictionary[Any, Staging]"
+    _by_owner: "weakref.WeakKeyDictionary[Any, CheckpointIO]"
 
     def __init__(self, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> None:
         self.key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
@@ -158,7 +158,7 @@ class Staging:
         self.ring = StagingRing(window, chunk_bytes)
 
     @classmethod
-    def of(cls, owner: Any, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> "Staging":
+    def of(cls, owner: Any, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> "CheckpointIO":
         key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
         st = cls._by_owner.get(owner)
         if st is None or st.key != key:
@@ -175,7 +175,7 @@ class Staging:
             st.handle.close()
 
 
-Staging._by_owner = weakref.WeakKeyDictionary()
+CheckpointIO._by_owner = weakref.WeakKeyDictionary()
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

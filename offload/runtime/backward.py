@@ -30,7 +30,15 @@ from offload.runtime.timeline import Timeline, now
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
-__all__ = ["BackwardTracker", "UnitPass", "PostBackward"]
+__all__ = ["BackwardTracker", "Pass", "UnitPass", "PostBackward"]
+
+
+class Pass(enum.Enum):
+    """Whether a backward pass is running (from its first pre-backward hook to its end)."""
+
+    FORWARD = "forward"
+    """No backward running: forwards (and their recording for backward) only."""
+    BACKWARD = "backward"
 
 
 class UnitPass(enum.Enum):
@@ -75,13 +83,17 @@ class BackwardTracker:
         self.transient_grads = transient_grads
         self.timeline = timeline
         self._compute_started = compute_started
-        self.active = False
-        """A backward pass is running (between the first pre-backward hook and its end)."""
+        self.state = Pass.FORWARD
         self._tracks = [_Track() for _ in units]
         self._reduces: list[tuple[FlatUnit, Any, float]] = []
         """Gradient reduce-scatters issued, not yet completed, with when they were issued."""
         self.world_size = units[0].pg.world_size if units else 1
         self.rank = units[0].pg.rank if units else 0
+
+    @property
+    def active(self) -> bool:
+        """A backward pass is running (forwards now are recomputations)."""
+        return self.state is Pass.BACKWARD
 
     # -- forward -----------------------------------------------------------------------
 
@@ -114,9 +126,9 @@ class BackwardTracker:
 
     def start(self) -> bool:
         """The first pre-backward hook of a pass: True when this starts the pass."""
-        if self.active:
+        if self.state is Pass.BACKWARD:
             return False
-        self.active = True
+        self.state = Pass.BACKWARD
         return True
 
     def entered(self, unit: FlatUnit) -> None:
@@ -188,7 +200,7 @@ class BackwardTracker:
             self._tracks[unit.index] = _Track()
         updated(self.complete(keep=0))
         self.units[ROOT].free()
-        self.active = False
+        self.state = Pass.FORWARD
 
     def abort(self) -> None:
         """A backward died half-way: issued collectives complete on every rank; partial
@@ -207,7 +219,7 @@ class BackwardTracker:
 
     def reset(self) -> None:
         self._tracks = [_Track() for _ in self.units]
-        self.active = False
+        self.state = Pass.FORWARD
 
     def drain(self) -> None:
         """Wait for every reduce-scatter in flight (close)."""

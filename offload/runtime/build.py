@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+import offload.units.materialize as materialize
 from offload.dtypes import itemsize
 from offload.optim.sharded import (
     UnitOptimizerState,
@@ -38,9 +39,8 @@ from offload.optim.sharded import (
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
-from offload.storage.tiers import make_param_tier
+from offload.storage.nvme_tier import make_param_tier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
-from offload.units.materialize import materialize_values
 from offload.units.partition import ParamRecord, UnitPlan, plan_units
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, layout_unit
 
@@ -305,7 +305,7 @@ def _fill_masters(model: nn.Module, units: list[FlatUnit],
         optimizer_states.initialized(ui, st)
 
     finished: set[int] = set()
-    for pid, value in materialize_values(model, records, slot_of):
+    for pid, value in materialize.materialize_values(model, records, slot_of):
         ui, si = slot_of[pid]
         st = states[ui]
         if st.master is None:  # NVMe: this unit's first value during initialize

@@ -54,7 +54,7 @@ class Gatherer:
     def use(self, unit: FlatUnit, phase: Phase) -> None:
         """Unit `unit` is needed now: follow the trace, gather it (consuming its prefetch),
         and start fetching what the trace needs next."""
-        following = self.schedule.use(unit.index, phase.value)
+        following = self.schedule.use(unit.index, phase)
         if following:
             self.prefetcher.poll()
         elif self.schedule.diverged:
@@ -85,7 +85,7 @@ class Gatherer:
                 self._gather_next()
 
     def next_uses(self, phase: Phase, n: int) -> list[int]:
-        return self.schedule.next_uses(phase.value, n)
+        return self.schedule.next_uses(phase, n)
 
     def end_backward(self) -> None:
         """The backward pass ended: the iteration is over; drop what was fetched ahead and

@@ -9,13 +9,26 @@ longer `live()` when the prefetcher next looks, and is dropped as if never start
 
 from __future__ import annotations
 
+import enum
+
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from offload.runtime.timeline import Timeline, now
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "FetchMode"]
+
+
+class FetchMode(enum.Enum):
+    """What fetching a unit ahead means for its tier (chosen from the tier's properties)."""
+
+    NONE = "none"
+    """The shard is addressable where compute runs: gathered where it lives."""
+    READ = "read"
+    """Not addressable (NVMe): read ahead into a leased pooled buffer."""
+    CUDA_COPY = "cuda_copy"
+    """Pinned host shard, GPU compute: copied into the unit's slot on a side stream."""
 
 
 class Prefetcher:
@@ -45,12 +58,12 @@ class Prefetcher:
         self._write_through: frozenset[int] = frozenset()
         self._stream: Any = None
         device = units[0].device if units else torch.device("cpu")
-        self.mode = "none"
+        self.mode = FetchMode.NONE
         """'read' (into a pooled buffer), 'cuda_copy' (into the unit's slot) or 'none'."""
         if not tier.addressable:
-            self.mode = "read"
+            self.mode = FetchMode.READ
         elif tier.device.type == "cpu" and device.type == "cuda":
-            self.mode = "cuda_copy"
+            self.mode = FetchMode.CUDA_COPY
             self._stream = torch.cuda.Stream(device)
 
     @property
@@ -67,12 +80,12 @@ class Prefetcher:
     def start(self, index: int) -> bool:
         """Begin fetching unit `index` ahead; False when nothing was started (nothing to
         fetch for this tier, already started or gathered, or no buffer free right now)."""
-        if self.mode == "none" or self._live(index) is not None:
+        if self.mode is FetchMode.NONE or self._live(index) is not None:
             return False
         unit = self.units[index]
         if unit.is_gathered:
             return False
-        if self.mode == "read":
+        if self.mode is FetchMode.READ:
             what = self.tier.fetch_ahead(unit.key, block=False)
             if what is None:
                 return False
@@ -108,7 +121,7 @@ class Prefetcher:
         entry = self._live(index)
         if entry is not None:
             del self.pending[index]
-        elif self.mode == "read":
+        elif self.mode is FetchMode.READ:
             what = self.tier.take_held(self.units[index].key)
             entry = None if what is None else _Entry(what, now())
         if entry is None or not entry.claim():
@@ -118,7 +131,7 @@ class Prefetcher:
     def fetch_now(self, index: int) -> Optional["_Entry"]:
         """An on-demand fetch through the same path (NVMe: a blocking buffer acquire), so
         the engine measures the wait the same way; None for tiers gathered in place."""
-        if self.mode != "read":
+        if self.mode is not FetchMode.READ:
             return None
         what = self.tier.fetch_ahead(self.units[index].key, block=True)
         return _Entry(what, now())

@@ -23,7 +23,7 @@ training steps does not throw the training trace away.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 __all__ = ["Schedule", "Phase"]
 
@@ -38,7 +38,7 @@ class Phase(str, Enum):
     RECOMPUTE = "r"
 
 
-Use = tuple[int, str]
+Use = tuple[int, Phase]
 
 
 class Schedule:
@@ -97,7 +97,7 @@ class Schedule:
         self._keep[self.kind] = self._keep_set(rec)
         return True
 
-    def use(self, unit: int, phase: str) -> bool:
+    def use(self, unit: int, phase: Phase) -> bool:
         """Unit `unit` is needed now in `phase`; False when the iteration is (now) off trace."""
         if not self.active:
             return False
@@ -162,7 +162,7 @@ class Schedule:
         out: list[int] = []
         total = 0
         for unit, phase in trace:
-            if phase != "f":
+            if phase != Phase.FORWARD:
                 break
             if unit in out:
                 continue
@@ -172,7 +172,7 @@ class Schedule:
             out.append(unit)
         return out
 
-    def next_uses(self, phase: str, limit: int) -> list[int]:
+    def next_uses(self, phase: Phase, limit: int) -> list[int]:
         """The next `limit` distinct units the trace uses in `phase` from the cursor on."""
         if not self.following:
             return []
@@ -193,14 +193,14 @@ class Schedule:
         units whose next use is their backward (so a kept unit is freed by it)."""
         if self.keep_bytes <= 0:
             return frozenset()
-        first_b = next((i for i, (_, ph) in enumerate(trace) if ph == "b"), None)
+        first_b = next((i for i, (_, ph) in enumerate(trace) if ph == Phase.BACKWARD), None)
         if first_b is None:
             return frozenset()
         keep: set[int] = set()
         total = 0
-        backward_units = {u for u, ph in trace[first_b:] if ph == "b"}
+        backward_units = {u for u, ph in trace[first_b:] if ph == Phase.BACKWARD}
         for unit, ph in reversed(trace[:first_b]):
-            if ph != "f" or unit in self.pinned or unit in keep:
+            if ph != Phase.FORWARD or unit in self.pinned or unit in keep:
                 continue
             if unit not in backward_units:
                 continue

@@ -137,7 +137,8 @@ class Timeline:
     after every step when set) puts the Chrome trace of the kept steps.
     """
 
-    def __init__(self, enabled: bool = False, path: Optional[str] = None, keep_steps: int = 8) -> None:
+    def __init__(self, enabled: bool = False, path: Optional[str] = None, keep_steps: int = 8,
+                 io_stats: Any = None) -> None:
         self.enabled = bool(enabled)
         if path is not None:
             path = os.path.abspath(path)  # a later chdir must not move it
@@ -148,9 +149,9 @@ class Timeline:
         self.current: Optional[StepStats] = None
         self._t0: Optional[float] = None
         self._lock = threading.Lock()
-        self.io_wait_clock: Any = None
-        """A callable returning the seconds spent blocked on I/O so far (the engine sets
-        it to its NVMe statistics); a step's `io_wait_s` is its difference."""
+        self.io_stats = io_stats
+        """The NVMe tiers' `IOStats` (or None): its `wait_s`, the seconds spent blocked on
+        I/O so far, read at each step's start and end; `io_wait_s` is the difference."""
         self._io0 = 0.0
 
     # -- a step ------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Timeline:
         if self.current is None:
             self.current = StepStats(step=step)
             self._t0 = now()
-            self._io0 = self.io_wait_clock() if self.io_wait_clock is not None else 0.0
+            self._io0 = self.io_stats.wait_s if self.io_stats is not None else 0.0
         return self.current
 
     def end_step(self) -> Optional[StepStats]:
@@ -169,8 +170,8 @@ class Timeline:
         if cur is None:
             return None
         cur.step_s = now() - (self._t0 or now())
-        if self.io_wait_clock is not None:
-            cur.io_wait_s = self.io_wait_clock() - self._io0
+        if self.io_stats is not None:
+            cur.io_wait_s = self.io_stats.wait_s - self._io0
         if self.enabled:
             cur.spans.append(Span("step", "step", "step", self._t0 or 0.0, self._t0 + cur.step_s))
         with self._lock:

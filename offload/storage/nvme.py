@@ -1,7 +1,7 @@
 """What the two NVMe tiers share: the swap directory, one AIO handle, one pinned staging pool,
 the writes in flight, and the buffers lent ahead of need.
 
-The parameter tier (`offload.storage.tiers.NVMeTier`) and the optimizer-state store
+The parameter tier (`offload.storage.nvme_tier.NVMeTier`) and the optimizer-state store
 (`offload.storage.optim_state.NVMeOptimizerStates`) each own one swap file in the rank's
 `SwapDirectory`; both move bytes with the same `AIOHandle` and stage them through the same
 `Staging` pool, so `offload.pinned_budget_bytes` bounds their pinned memory together.
