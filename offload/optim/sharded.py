@@ -25,13 +25,12 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from offload.sizes import ALIGNMENT, align_up
+from offload.dtypes import MOMENT_DTYPES
 from offload.optim.functional import adam_step_flat
+from offload.sizes import ALIGNMENT, align_up
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
-from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
 from offload.storage.tiers import Tier, wait
-
-_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
 
 HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
 """Host optimizer-state tensors (master, moments) this large start on a page boundary
@@ -446,10 +445,10 @@ def _any_optimized(layout: UnitLayout) -> bool:
 
 def moments_dtype(name: str) -> torch.dtype:
     try:
-        return _MOMENT_DTYPES[name]
+        return MOMENT_DTYPES[name]
     except KeyError:
         raise ValueError(
-            f"optimizer.moments_dtype={name!r}; allowed: {sorted(_MOMENT_DTYPES)}"
+            f"optimizer.moments_dtype={name!r}; allowed: {sorted(MOMENT_DTYPES)}"
         ) from None
 
 

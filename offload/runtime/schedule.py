@@ -61,7 +61,8 @@ class Schedule:
         self.pinned = frozenset(pinned)
         self._traces: dict[Hashable, list[Use]] = {}
         self._keep: dict[Hashable, frozenset[int]] = {}
-        self.kind: Optional[Hashable] = None
+        self.iteration: Optional[Hashable] = None
+        """The kind of the current iteration (grad mode, train/eval): traces are kept per kind."""
         self.trace: Optional[list[Use]] = None
         self.recording: list[Use] = []
         self.pos = 0
@@ -76,7 +77,7 @@ class Schedule:
         """A forward starts an iteration of `kind` (ends any open one first)."""
         if self.active:
             self.end()
-        self.kind = kind
+        self.iteration = kind
         self.trace = self._traces.get(kind)
         self.recording = []
         self.pos = 0
@@ -93,8 +94,8 @@ class Schedule:
             return False
         if self.trace is not None:
             self.retraces += 1
-        self._traces[self.kind] = rec
-        self._keep[self.kind] = self._keep_set(rec)
+        self._traces[self.iteration] = rec
+        self._keep[self.iteration] = self._keep_set(rec)
         return True
 
     def use(self, unit: int, phase: Phase) -> bool:
@@ -156,7 +157,7 @@ class Schedule:
         """The first units of the last ended iteration's trace (pinned ones included: the
         root starts every iteration), within the prefetch budget: fetched ahead at the end
         of a step, under the gap before the next forward."""
-        trace = self._traces.get(self.kind)
+        trace = self._traces.get(self.iteration)
         if trace is None or self.prefetch_bytes <= 0:
             return []
         out: list[int] = []
@@ -186,7 +187,7 @@ class Schedule:
 
     def keep_after_forward(self, unit: int) -> bool:
         """Keep `unit` gathered after its forward: the trace's backward needs it soon."""
-        return self.following and unit in self._keep.get(self.kind, ())
+        return self.following and unit in self._keep.get(self.iteration, ())
 
     def _keep_set(self, trace: list[Use]) -> frozenset[int]:
         """The last units of forward, newest first, whose bytes fit `keep_bytes`, among

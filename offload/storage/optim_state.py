@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from offload.sizes import align_up
+from offload.sizes import ALIGNMENT, align_up
 from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
 
 
@@ -389,7 +389,7 @@ class NVMeOptimizerStates:
                                 ("exp_avg_sq", lay.exp_avg_sq_offset, n_moment))
             if n
         )
-        if any(fo % 4096 for fo, _, _ in parts):
+        if any(fo % ALIGNMENT for fo, _, _ in parts):
             self.abandon(index, t)
             raise ValueError(f"unit {index}: offsets {file_offsets} in {path!r} are not 4 KiB-aligned")
         self._drop_source(index)
