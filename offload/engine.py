@@ -38,11 +38,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import offload.units.collectives as _dist
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
+from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.build import build
 from offload.runtime.gather import Gatherer
+from offload.runtime.gathered import Gathering
+from offload.runtime.generation import mark_synced_generation, unmark_synced_generation
+from offload.runtime.grads import Gradients
 from offload.runtime.lifecycle import (
     LIVE_ENGINES,
     EngineState,
@@ -87,18 +91,6 @@ def initialize(
     return Engine(model, load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("compute_device='cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
-        return torch.device("cuda", torch.cuda.current_device())
-    if name == "cpu":
-        return torch.device("cpu")
-    raise ValueError(f"compute_device={name!r}; allowed: 'auto', 'cpu', 'cuda'")
-
-
 class Engine:
     """ZeRO-3 partitioned training of one model; built by `offload.initialize`.
 
@@ -126,12 +118,12 @@ class Engine:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = config
         self.module = model
-        device_type = _resolve_device(config.compute_device).type
+        device_type = _dist.resolve_device(config.compute_device).type
         self.dtype = DTYPES[config.precision.dtype]
         # The group first: starting it from torchrun's env selects this rank's GPU
         # (LOCAL_RANK), which the compute device must then be.
         self.pg = _dist.setup_process_group(device_type, float(config.collective_timeout_s))
-        self.device = _resolve_device(config.compute_device)
+        self.device = _dist.resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.rank, self.pg.world_size
         self.placement_plan = None
         if config.offload.placement == "auto":  # the planner picks the tiers (offload.plan)
@@ -166,7 +158,8 @@ class Engine:
                                  self.device, self.timeline, self.nvme, built.transient_grads)
         self.backward_tracker = BackwardTracker(self.units, self.states, built.transient_grads,
                                                 self.timeline, self.gather.compute_started)
-        self.policy.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.policy.lr_scheduler = resolve_scheduler(self.optimizer, lr_scheduler, config.scheduler)
+        self.grads = Gradients(model, self.units, self.states, self.policy, self.pg, self.device)
         self.sharded_state = ShardedState(
             module=model, config=config, rank=self.rank, world_size=self.world_size, pg=self.pg,
             device=self.device, dtype=self.dtype, units=self.units, states=self.states,
@@ -176,23 +169,9 @@ class Engine:
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
         self._register_hooks()
-
-    def _build_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                return lr_scheduler(self.optimizer)
-            if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
-                raise TypeError(
-                    "lr_scheduler must be a callable taking engine.optimizer (e.g. "
-                    "lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)); a scheduler built "
-                    "on another optimizer would not drive the engine's learning rate"
-                )
-            return lr_scheduler
-        if self.config.scheduler is None:
-            return None
-        from offload.optim.lr_schedules import build_scheduler
-
-        return build_scheduler(self.optimizer, self.config.scheduler)
+        self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks)
+        # HF generate() then keeps every rank's forwards in step ([Note: generation in step]).
+        self._marked_generation = mark_synced_generation(model, self.world_size)
 
     # -- hooks (the wiring: each asks the collaborator that owns the state) -----------------
 
@@ -213,6 +192,7 @@ class Engine:
         tracker = self.backward_tracker
         if unit.index == ROOT and not tracker.active:
             self._check_ready("the model's forward")
+            self.grads.check_requires_grad()  # [Note: requires_grad after initialize]
             args, kwargs = self._cast_inputs(args, kwargs)
             self.gather.begin_iteration(self.policy.step_index, self.module.training)
         self.gather.use(unit, Phase.RECOMPUTE if tracker.active else Phase.FORWARD)
@@ -391,6 +371,7 @@ class Engine:
                 "updated, others not). Fix the cause, then engine.load_checkpoint(...) restores "
                 "a consistent state and training goes on; or engine.close()"
             ) from exc
+        self.gathering.check_closed(what)  # no step inside engine.gathered(...)
 
     def _lost_write(self) -> Optional[BaseException]:
         """The error of a write whose failure has been seen (its slot is lost), or None."""
@@ -431,7 +412,7 @@ class Engine:
     skipped_steps = property(lambda self: self.policy.counters.skipped_steps,
                              doc="Optimizer steps skipped (overflow, non-finite loss or norm).")
     last_grad_norm = property(lambda self: self.policy.counters.last_grad_norm,
-                              doc="The global gradient norm of the last step (clipping on).")
+                              doc="get_global_grad_norm(): the last step's gradient norm.")
     scaler = property(lambda self: self.policy.scaler, doc="The fp16 loss scaler.")
     gradient_accumulation_steps = property(lambda self: self.policy.gradient_accumulation_steps)
 
@@ -446,7 +427,31 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    # -- weights in and out ------------------------------------------------------------------
+    # -- gradients: offload/runtime/grads.py, docs/engine.md "Gradients" ---------------------
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The last step's un-scaled gradient norm before clipping (inf: skipped; None: none yet)."""
+        return self.policy.counters.last_grad_norm
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step as torch.nn.utils.clip_grad_norm_ would; see Gradients.clip_grad_norm_."""
+        self._check_ready("engine.clip_grad_norm_")
+        return self.grads.clip_grad_norm_(max_norm, norm_type)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last step; see Gradients.zero_grad."""
+        self._check_ready("engine.zero_grad")
+        self.grads.zero_grad()
+
+    def full_grad(self, param: Union[str, nn.Parameter]) -> Optional[torch.Tensor]:
+        """A parameter's full fp32 gradient, on every rank; see Gradients.full_grad."""
+        self._check_ready("engine.full_grad")
+        return self.grads.full_grad(param)
+
+    # -- weights in and out: gathered on purpose (offload/runtime/gathered.py), full weights --
+    def gathered(self, params_or_modules: Any = None, modifier_rank: Optional[int] = None) -> Any:
+        """A context with full parameters on every rank: offload/runtime/gathered.py."""
+        return self.gathering.context(params_or_modules, modifier_rank, self._failure)
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
@@ -469,6 +474,7 @@ class Engine:
         from offload.checkpoint.full_weights import load_full_state_dict
 
         load_full_state_dict(self.sharded_state, state_dict, strict)
+        self.gather.drop()  # shards fetched ahead (a GPU's side-stream copies) are stale
 
     # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
 
@@ -501,6 +507,7 @@ class Engine:
 
         if self.state is EngineState.FAILED or self._lost_write() is not None:
             self._recover()
+        self.gather.drop()  # shards fetched ahead are about to go stale
         out = load_checkpoint(self.sharded_state, load_dir, tag, copy_to_swap=copy_to_swap)
         # Every unit's parameters and state now come from the checkpoint: consistent again.
         self.state, self._failure = EngineState.READY, None
@@ -528,6 +535,8 @@ class Engine:
         exit."""
         LIVE_ENGINES.discard(self)
         remove_hooks(self._hooks)
+        if getattr(self, "_marked_generation", False):
+            unmark_synced_generation(self.module)
         if released_parameters(self.module) and not getattr(self, "_closed_hook", None):
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.

@@ -88,6 +88,7 @@ def plain_loop(
     scheduler: Optional[Callable[[Any], Any]] = None,
     before_forward: Optional[Callable[[nn.Module, int], None]] = None,
     moments_dtype: Optional[torch.dtype] = None,
+    norms: Optional[list[float]] = None,
 ) -> dict[str, torch.Tensor]:
     """Train `make_model()` with a torch optimizer as a user would, and return its state dict.
 
@@ -98,7 +99,9 @@ def plain_loop(
     losses are summed (the same mean, rounded differently). Steps in `skip` are dropped as an
     overflow would drop them. `before_forward(model, micro_batch_index)` may change the
     model between micro-batches (a route). With `moments_dtype` the optimizer's moments are
-    rounded to it after every step, as a store that keeps them in that dtype would."""
+    rounded to it after every step, as a store that keeps them in that dtype would. With
+    `norms`, the global gradient norm of every applied step (before clipping, what
+    `clip_grad_norm_` returns) is appended to it."""
     master = make_model().to(master_dtype)
     params = groups(master) if groups else master.parameters()
     opt = opt_cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {"foreach": False}))
@@ -126,7 +129,11 @@ def plain_loop(
                 pc.grad = None
         if step not in skip:
             if clip:
-                torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+                total = torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+            elif norms is not None:
+                total = torch.nn.utils.get_total_norm([p.grad for p in master.parameters() if p.grad is not None])
+            if norms is not None:
+                norms.append(float(total))
             opt.step()
             if moments_dtype is not None:
                 for state in opt.state.values():

@@ -182,8 +182,8 @@ def test_config_from_args_deepspeed_config(tmp_path):
 def test_unsupported_arguments_are_named():
     with pytest.raises(NotImplementedError, match=r"mpu=\.\.\..*drop mpu"):
         deepspeed.initialize(model=TinyGPT(), config=DS, mpu=object())
-    with pytest.raises(NotImplementedError, match="GatheredParameters"):
-        deepspeed.zero.GatheredParameters([])
+    with deepspeed.zero.GatheredParameters([]):  # no engine's parameters: a no-op, as in DeepSpeed
+        pass
     engine, *_ = deepspeed.initialize(model=TinyGPT(), config=DS)
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))

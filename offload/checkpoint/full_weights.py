@@ -32,6 +32,7 @@ import torch
 
 from offload.checkpoint import manifest
 from offload.checkpoint.shards import DEFAULT_WINDOW, ShardReader, assemble_jobs
+from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
 
 Emit = Callable[[int, Optional[torch.Tensor]], None]
@@ -170,6 +171,7 @@ def load_full_state_dict(
     and unexpected ones); otherwise absent keys keep their values and unknown ones are
     ignored. A tied parameter is taken from its first name in state-dict order; buffers are
     copied whole (cast to the dtype they run in); non-tensor extra state is not loaded."""
+    refuse_while_gathered(sharded.units, "engine.load_full_state_dict")
     sharded.sync_device()  # queued host-to-device copies still read the shards rewritten here
     keys = [entry.key for entry in sharded.state_dict_index]
     if strict:

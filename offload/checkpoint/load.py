@@ -60,6 +60,7 @@ from offload.checkpoint.shards import (
     assemble_jobs,
 )
 from offload.dtypes import name_of
+from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
 
 
@@ -72,6 +73,7 @@ def load_checkpoint(
     `copy_to_swap`: see `Engine.load_checkpoint`."""
     if copy_to_swap not in (None, True, False):
         raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
+    refuse_while_gathered(sharded.units, "engine.load_checkpoint")
     path = files.resolve_tag(os.fspath(load_dir), tag)
     saved = manifest.read(path)
     # At the saving world size each rank reads its own files only (which is all a node
@@ -89,7 +91,7 @@ def load_checkpoint(
             "build the engine with the same lr_scheduler / config.scheduler as the saving run"
         )
     sharded.sync_device()
-    sharded.optimizer.zero_grad()
+    sharded.optimizer.clear_grads()  # gradients of the interrupted step go
     load_units(sharded, path, saved, small["slot_steps"], window=window, copy_to_swap=copy_to_swap)
     _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"])
     return path, small["client_state"]

@@ -41,7 +41,7 @@ from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
-           "is_compile_supported"]
+           "utils", "is_compile_supported"]
 
 logger = logging.getLogger("offload")
 
@@ -294,7 +294,7 @@ class DeepSpeedEngine:
         return self._step_applied
 
     def zero_grad(self) -> None:
-        self.engine.optimizer.zero_grad()
+        self.engine.zero_grad()  # DeepSpeed's discards the accumulated gradients too
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.engine.train(mode)
@@ -367,7 +367,7 @@ class DeepSpeedEngine:
         return self.engine.get_lr()
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return self.engine.last_grad_norm
+        return self.engine.get_global_grad_norm()
 
     @property
     def cur_scale(self) -> float:
@@ -518,12 +518,63 @@ class _ZeroInit:
 
 
 class _GatheredParameters:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "zero.GatheredParameters is not supported: initialise parameters in the modules' "
-            "reset_parameters() (offload.init replays it), read weights with "
-            "engine.full_state_dict() and write them with engine.load_full_state_dict()")
+    """`deepspeed.zero.GatheredParameters(params, modifier_rank=None)` -> `engine.gathered(params,
+    modifier_rank)` of the live engine that owns the parameters (a collective: every rank
+    enters it). As in DeepSpeed, parameters no engine owns are ignored (none: a no-op), and
+    `enabled=False` is a no-op. `fwd_module` registers external parameters in DeepSpeed, which
+    offload has no need of (a unit owns every parameter its module holds): accepted, unused."""
+
+    def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        from offload.runtime.lifecycle import LIVE_ENGINES
+
+        self._ctx: Any = None
+        if not enabled or params is None:
+            return
+        items = [params] if isinstance(params, torch.Tensor) else list(params)
+        owners = []
+        for engine in list(LIVE_ENGINES):
+            gathering = getattr(engine, "gathering", None)  # absent on an engine whose __init__ failed
+            mine = [p for p in items if gathering is not None and gathering.owns(p)]
+            if mine:
+                owners.append((engine, mine))
+        if len(owners) > 1:
+            raise ValueError("zero.GatheredParameters: the parameters belong to more than one engine; "
+                             "gather each engine's parameters in its own context")
+        if owners:
+            engine, mine = owners[0]
+            self._ctx = engine.gathered(mine, modifier_rank=modifier_rank)
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
 
 
 zero = types.SimpleNamespace(Init=_ZeroInit, GatheredParameters=_GatheredParameters)
-"""`deepspeed.zero`: `Init` (-> offload.init); `GatheredParameters` raises with the alternative."""
+"""`deepspeed.zero`: `Init` (-> offload.init), `GatheredParameters` (-> `engine.gathered`)."""
+
+
+# --------------------------------------------------------------------------------------
+# deepspeed.utils
+# --------------------------------------------------------------------------------------
+
+
+def _safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """`deepspeed.utils.safe_get_full_grad(param)` -> `engine.full_grad(param)` of the live
+    engine that owns `param` (a collective: every rank calls it); `param.grad` for a
+    parameter no engine owns, as DeepSpeed returns for a plain one."""
+    from offload.runtime.lifecycle import LIVE_ENGINES
+
+    for engine in list(LIVE_ENGINES):
+        grads = getattr(engine, "grads", None)  # absent on an engine whose __init__ failed
+        if grads is not None and grads.owns(param):
+            return engine.full_grad(param)
+    return param.grad
+
+
+utils = types.SimpleNamespace(safe_get_full_grad=_safe_get_full_grad)
+"""`deepspeed.utils`: `safe_get_full_grad` (-> `engine.full_grad`)."""

@@ -74,6 +74,12 @@ _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count"
              "overlap_events", "use_gds")
 _DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
 _OTHER_DS_SCHEDULES = ("LRRangeTest", "OneCycle")
+_DS_FLOAT_DTYPES = {
+    **dict.fromkeys(("fp32", "float32", "torch.float32", "float"), "fp32"),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+    **dict.fromkeys(("fp16", "float16", "torch.float16", "half"), "fp16"),
+}
+"""DeepSpeed's names of the floating dtypes (runtime/config.py DtypeEnum) -> offload's."""
 
 
 def _world_size_now() -> int:
@@ -206,12 +212,23 @@ def _top_level(t: Translation) -> None:
     if grad_dtype not in (None, "fp32", "float32", "torch.float32", "float"):
         raise ConfigError("data_types.grad_accum_dtype", f"= {grad_dtype!r} is not supported: offload "
                           "accumulates gradients in fp32", "remove it or set 'fp32'")
-    for name in ("param_dtype", "buffer_dtype"):
-        only_off(f"data_types.{name}", data_types.get(name), None,
-                 "offload keeps parameters in the precision's dtype and buffers as loaded",
-                 f"remove data_types.{name} and choose the dtype with bf16 / fp16")
-    if "keep_in_fp32_modules" in data_types:
-        t.ignore("data_types.keep_in_fp32_modules", "offload keeps buffers in their loaded dtype")
+    only_off("data_types.param_dtype", data_types.get("param_dtype"), None,
+             "offload keeps parameters in the precision's dtype",
+             "remove data_types.param_dtype and choose the dtype with bf16 / fp16")
+    # Buffers: both keys mean what they mean in DeepSpeed (runtime/engine.py
+    # _cast_module_mixed_precision, runtime/keep_in_fp32.py); absent = keep the loaded dtype.
+    buffer_dtype = data_types.get("buffer_dtype")
+    if buffer_dtype is not None:
+        if not isinstance(buffer_dtype, str) or buffer_dtype not in _DS_FLOAT_DTYPES:
+            raise ConfigError("data_types.buffer_dtype", f"= {buffer_dtype!r} is not a floating dtype "
+                              "DeepSpeed names", "use 'fp32', 'bf16' or 'fp16', or remove it to keep "
+                              "buffers in their loaded dtype")
+        t.set("precision.buffer_dtype", _DS_FLOAT_DTYPES[buffer_dtype], "data_types.buffer_dtype")
+    keep = data_types.get("keep_in_fp32_modules", "auto")
+    if keep != "auto":
+        if not (isinstance(keep, list) and all(isinstance(n, str) for n in keep)):
+            raise type_error("data_types.keep_in_fp32_modules", keep, "'auto' or a list of name patterns")
+        t.set("precision.keep_in_fp32_modules", tuple(keep), "data_types.keep_in_fp32_modules")
 
 
 def _precision(t: Translation) -> int:

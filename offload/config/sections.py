@@ -19,6 +19,7 @@ checks.py. docs/config.md has the format.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Mapping, Optional
 
@@ -49,6 +50,7 @@ __all__ = [
 ParamTier = Literal["device", "cpu", "nvme"]
 OptimizerTier = Literal["cpu", "nvme"]
 Precision = Literal["fp32", "bf16", "fp16"]
+BufferDtype = Literal["keep", "compute", "fp32", "bf16", "fp16"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +168,17 @@ class PrecisionConfig(Section):
     (DeepSpeed's delayed shift); 1 = halve on every overflow."""
     min_loss_scale: float = 1.0
     """Floor of the dynamic loss scale, > 0."""
+    buffer_dtype: BufferDtype = "keep"
+    """Floating-point buffers (RoPE's inv_freq, running statistics): 'keep' = the dtype the
+    model gave them (DeepSpeed's and FSDP2's default); 'compute' = precision.dtype, as
+    model.to(dtype) would; or that named dtype (DeepSpeed's data_types.buffer_dtype).
+    Exceptions: docs/engine.md, Buffers."""
+    keep_in_fp32_modules: Optional[tuple[str, ...]] = None
+    """bf16/fp16: name patterns of tensors to keep in fp32 (transformers' rule: `*` = any
+    characters, found anywhere in the full name). None = the model's own transformers lists
+    (`_keep_in_fp32_modules_strict`, and `_keep_in_fp32_modules` under fp16); [] = none.
+    Matching buffers stay fp32; a matching parameter is refused by initialize (a unit holds
+    one dtype)."""
 
     def _check(self) -> None:
         require(self.loss_scale >= 0, self._key("loss_scale"), self.loss_scale,
@@ -181,6 +194,16 @@ class PrecisionConfig(Section):
                 "it must be >= 1", "use e.g. 2 (DeepSpeed's default)")
         require(self.min_loss_scale > 0, self._key("min_loss_scale"), self.min_loss_scale,
                 "the dynamic scale's floor must be > 0", "use e.g. 1 (DeepSpeed's default)")
+        for i, pattern in enumerate(self.keep_in_fp32_modules or ()):
+            key = self._key(f"keep_in_fp32_modules[{i}]")
+            require(bool(pattern.strip()), key, pattern, "an empty pattern would match every tensor",
+                    "name modules or tensors, e.g. 'wo' or 'e_score_correction_bias', or use [] "
+                    "to keep nothing in fp32")
+            try:
+                re.compile(pattern.replace("*", ".*"))
+            except re.error as exc:
+                raise rule_error(key, pattern, f"it is not a valid pattern ({exc})",
+                                 "use a module or tensor name, with * for any characters") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -264,3 +264,20 @@ def build_scheduler(optimizer: Optimizer, config: "SchedulerConfig") -> LRSchedu
         raise ValueError(f"scheduler.type {config.type!r} is not a known schedule; use one of "
                          f"{', '.join(SCHEDULES)}") from None
     return cls(optimizer, **config.params)
+
+
+def resolve_scheduler(optimizer: Optimizer, given: Any, config: Optional["SchedulerConfig"]) -> Any:
+    """The scheduler `initialize(lr_scheduler=...)` asks for, on the engine's `optimizer`:
+    a callable `optimizer -> scheduler` is called; a scheduler must already drive
+    `optimizer`; None builds `config` (or no scheduler without one)."""
+    if given is not None:
+        if callable(given) and not hasattr(given, "step"):
+            return given(optimizer)
+        if getattr(given, "optimizer", None) is not optimizer:
+            raise TypeError(
+                "lr_scheduler must be a callable taking engine.optimizer (e.g. "
+                "lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)); a scheduler built "
+                "on another optimizer would not drive the engine's learning rate"
+            )
+        return given
+    return None if config is None else build_scheduler(optimizer, config)

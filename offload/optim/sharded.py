@@ -19,6 +19,7 @@ not advance), as torch skips parameters whose `.grad` is None.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -131,7 +132,10 @@ class ShardedAdam(torch.optim.Optimizer):
         store: Any = None,
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
+        self._groups_fixed = False  # torch's __init__ adds the engine's groups itself
         super().__init__(param_groups, defaults)
+        self._groups_fixed = True
+        self._warned_zero_grad = False
         self.unit_states = states
         self.store = store if store is not None else HostOptimizerStates(states)
         """Where master and moments live (`offload.storage.optim_state`): host memory
@@ -386,11 +390,47 @@ class ShardedAdam(torch.optim.Optimizer):
         return self._staging
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in the shards and are cleared by `engine.step()` at each boundary;
-        calling this between micro-batches discards the accumulated ones."""
+        """For loops written for a plain optimizer: gradients live in the engine's shards and
+        `engine.step()` clears them at every optimizer step, so there is nothing to do.
+
+        Called while micro-batches since the last step hold gradients (a loop that calls it
+        at the start of every micro-batch, inside an accumulation window), it keeps them and
+        warns once: discarding them would silently train on part of the window. That is
+        what Hugging Face Accelerate does with DeepSpeed (its optimizer wrapper's
+        `zero_grad` is a no-op) and with accumulation (it zeroes only at a step). To discard
+        gradients on purpose call `engine.zero_grad()`."""
+        if not any(st.grad_valid for st in self.unit_states) or self._warned_zero_grad:
+            return
+        self._warned_zero_grad = True
+        warnings.warn(
+            "engine.optimizer.zero_grad() was called while the gradients of the micro-batches "
+            "since the last engine.step() are held in the engine's shards: they were kept, not "
+            "discarded. The engine clears gradients itself at every optimizer step, so the "
+            "loop need not call zero_grad; call engine.zero_grad() to discard them on purpose",
+            RuntimeWarning, stacklevel=2,
+        )
+
+    def clear_grads(self) -> None:
+        """Forget every unit's gradients (the next micro-batch overwrites its shard): the
+        engine's own clearing at a step, `engine.zero_grad()`, a checkpoint load."""
         for st in self.unit_states:
             st.grad_valid = False
             st.slot_has_grad = [False] * len(st.slot_has_grad)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once the engine is built: every parameter's place in its unit's shard,
+        and whether it has optimizer state, was fixed by its group at `initialize`, so a
+        group added later would silently never be trained."""
+        if not self._groups_fixed:
+            super().add_param_group(param_group)
+            return
+        raise ValueError(
+            "engine.optimizer.add_param_group(...): the engine lays out every parameter by its "
+            "optimizer group at offload.initialize, so a group added afterwards would never be "
+            "trained. Pass every group to offload.initialize(model, config, optimizer=[{'params': "
+            "[...]}, {'params': [...], 'lr': ...}]); a group meant to start later can start with "
+            "lr 0 and be raised by a scheduler or by setting param_groups[i]['lr']"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (shards), with torch's param_groups layout. Engine checkpoints

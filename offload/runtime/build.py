@@ -12,8 +12,9 @@
    filled from the model's values (or by replaying a meta-built model's init, one module at
    a time, `offload.units.materialize`), and each unit's low-precision shard is published
    as soon as it has all its values. The module's parameters become views into the units.
-4. Buffers move to the compute device in the compute dtype; every `state_dict()` key is
-   indexed to the slot or buffer that holds its value.
+4. Buffers move to the compute device, keeping their dtype unless the config says
+   otherwise (offload.runtime.buffers); every `state_dict()` key is indexed to the slot or
+   buffer that holds its value.
 
 `build` returns a `Built`; the Engine wires its collaborators from it.
 """
@@ -36,6 +37,7 @@ from offload.optim.sharded import (
     resolve_param_groups,
     transient_grad_shards,
 )
+from offload.runtime.buffers import check_keep_in_fp32, place_buffers
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
@@ -82,6 +84,8 @@ def build(
 ) -> Built:
     """Shard `model` for training (see the module docstring). `owner` is the object whose
     garbage collection deletes the swap files (the Engine)."""
+    # Before anything is allocated: a parameter the model wants in fp32 is refused here.
+    keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules)
     groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
     planned = _plan_layouts(plans, group_of, pg.world_size)
@@ -92,7 +96,7 @@ def build(
         if tiers.close_nvme is not None:
             tiers.close_nvme()  # no swap files left behind by a failed initialize
         raise
-    buffer_dtypes = _swap_buffers(model, device, dtype)
+    buffer_dtypes = place_buffers(model, device, dtype, config.precision, keep_fp32)
     opt_groups = []
     for gi, g in enumerate(groups):
         params = [u.params[i] for u in units for i, s in enumerate(u.layout.slots) if s.group == gi]
@@ -318,30 +322,6 @@ def _fill_masters(model: nn.Module, units: list[FlatUnit],
     for ui in range(len(units)):
         if ui not in finished:
             finish(ui)  # a unit without parameters
-
-
-def _swap_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[int, torch.dtype]:
-    """Buffers are not sharded: each rank keeps them whole on the compute device, cast to
-    the compute dtype when floating (as `model.to(dtype)` would). Returns id(new buffer) ->
-    the dtype the model gave it."""
-    buffer_dtypes: dict[int, torch.dtype] = {}
-    new_of: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        for name, b in list(m._buffers.items()):
-            if b is None:
-                continue
-            if id(b) not in new_of:
-                if b.is_meta:
-                    raise ValueError(
-                        f"buffer {name!r} of {type(m).__name__} is still on the meta device; "
-                        "give the module a reset_parameters() that re-creates it, or build "
-                        "the model outside offload.init"
-                    )
-                nb = b.detach().to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
-                new_of[id(b)] = nb
-                buffer_dtypes[id(nb)] = b.dtype
-            m._buffers[name] = new_of[id(b)]
-    return buffer_dtypes
 
 
 def _index_state_dict(model: nn.Module, units: list[FlatUnit]) -> list[StateDictEntry]:

@@ -121,6 +121,12 @@ class Gatherer:
         first units the next forward will need, the root first."""
         self.prefetcher.start_in_order(self.schedule.next_iteration())
 
+    def gather_now(self, unit: FlatUnit) -> None:
+        """Gather `unit` outside the schedule (offload/runtime/gathered.py: on purpose, for a
+        submodule called alone, for a state dict): its fetched-ahead shard or gather in
+        flight is used, the trace is left as it is. Every rank must make the same calls."""
+        self._gather(unit)
+
     def free_all(self) -> None:
         for unit in self.units:
             unit.free()  # waits for a gather in flight (every rank takes part in it)

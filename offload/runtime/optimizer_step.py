@@ -9,6 +9,17 @@ per backward pass, of where updates run (`StepMode`):
   reduce-scatter completed), under the backward of the units before it. Only when nothing
   needs the whole gradient first: no clipping, no fp16 loss scale, at a boundary, and no
   non-finite loss this step (docs/prefetch.md).
+
+[Note: the norm of every step]
+The global gradient norm is reported for every applied step (`counters.last_grad_norm`,
+`engine.get_global_grad_norm()`), clipping or not, in either mode, for the cost of one dot
+per unit shard and one all-reduce. In `AT_STEP` the step takes each unit's sum of squares
+from its shard. In `IN_BACKWARD` a unit's shard may be gone by the step (a transient shard
+is released after its update), so `update_in_backward` takes the unit's sum of squares just
+before its update, when the shard is final, and the step adds these partial sums in the
+same unit order. Either way the sum runs in float64 over units in index order and is
+all-reduced once, so the norm clipping uses is the one it always used: training does not
+change. A step that is skipped reports inf (as DeepSpeed's ZeRO-3 does).
 """
 
 from __future__ import annotations
@@ -65,6 +76,15 @@ class StepPolicy:
         """A non-finite loss seen in this accumulation step (nonfinite_loss='skip')."""
         self._hyper_at_backward: Optional[list[tuple]] = None
         self._warned_hyper = False
+        self._sum_sq: dict[int, torch.Tensor] = {}
+        """Unit index -> its gradient's sum of squares (float64), taken before its update
+        during backward ([Note: the norm of every step])."""
+        self._norm: Optional[float] = None
+        """This step's global gradient norm, once computed (by `clip_this_step`): reused
+        by `apply`, forgotten when the gradients change."""
+        self.clip_request: Optional[float] = None
+        """The max_norm of `engine.clip_grad_norm_` for this step (replaces
+        config.gradient_clipping for it)."""
 
     # -- micro-batches -------------------------------------------------------------------
 
@@ -105,6 +125,7 @@ class StepPolicy:
     def start_backward(self) -> StepMode:
         """Decide, once per backward pass, whether units update as their gradients finish."""
         self.pass_updates = 0
+        self._norm = None  # the gradients are about to change
         if self.updated:
             raise RuntimeError(
                 "a second backward pass before engine.step(), after the first one already ran "
@@ -148,6 +169,9 @@ class StepPolicy:
             self._hyper_at_backward = self._hyperparameters()
         io0 = self._io_wait()
         t0 = now()
+        sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
+        if sq is not None:
+            self._sum_sq[unit.index] = sq
         updated = self.optimizer.update_unit(
             unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         )
@@ -194,12 +218,14 @@ class StepPolicy:
             )
             overflow = True
             self._nonfinite_loss = None
-        clip = float(self.config.gradient_clipping)
+        clip = float(self.config.gradient_clipping) if self.clip_request is None else self.clip_request
         grad_scale: Optional[float] = unscale
         nonfinite: Optional[FloatingPointError] = None
-        if not overflow and clip > 0.0:
-            total = self._grad_norm(unscale)
+        if not overflow:
+            # reported every step ([Note: the norm of every step]); used below if clipping
+            total = self._norm if self._norm is not None else self._grad_norm(unscale)
             self.counters.last_grad_norm = total
+        if not overflow and clip > 0.0:
             if not math.isfinite(total) and self.config.nonfinite_loss != "off":
                 # a finite loss with non-finite gradients (bf16/fp32): the same guard
                 if self.config.nonfinite_loss == "raise":
@@ -235,22 +261,63 @@ class StepPolicy:
             self.counters.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.optimizer.zero_grad()
+        self.discard_gradients()
         return nonfinite
 
     def _grad_norm(self, unscale: float) -> float:
+        """The global norm of this step's gradients, un-scaled: one all-reduce (every rank
+        calls it at the same point)."""
         sq = torch.zeros(1, dtype=torch.float64)
         for st in self.states:
-            # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
-            g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
-            if g.numel():
-                sq += torch.dot(g, g).double()
+            part = self._sum_sq.get(st.unit.index)
+            if part is None:
+                part = _sum_of_squares(st)
+            if part is not None:
+                sq += part
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
+
+    # -- what the user asks of this step's gradients -----------------------------------------
+
+    def clip_this_step(self, max_norm: float) -> float:
+        """`engine.clip_grad_norm_`: clip this step with `max_norm`; returns the global norm
+        (a collective: every rank calls it at the same point)."""
+        gas = self.gradient_accumulation_steps
+        if not self.is_boundary():
+            k = self.counters.micro_steps % gas + 1
+            raise RuntimeError(
+                f"engine.clip_grad_norm_ at micro-batch {k} of an accumulation window of {gas}: "
+                "the gradients are not complete before the window's last backward; call it "
+                "after that backward, when engine.is_gradient_accumulation_boundary() is True"
+            )
+        if self.updated:
+            raise RuntimeError(
+                "engine.clip_grad_norm_: this step's optimizer updates already ran during "
+                "backward, unclipped (prefetch.optimizer_in_backward, the default), so it can "
+                "no longer clip. Set gradient_clipping=<max_norm> in the config (the engine "
+                "clips every step itself, and runs those steps' updates at engine.step()), or "
+                "set prefetch.optimizer_in_backward=false to call clip_grad_norm_ yourself; "
+                "call engine.step() to finish this step"
+            )
+        if self._norm is None:
+            self._norm = self._grad_norm(1.0 / (self.scaler.scale * gas))
+        self.clip_request = float(max_norm)
+        return self._norm
+
+    def discard_gradients(self) -> None:
+        """Forget the gradients accumulated since the last step (the step's own clearing,
+        `engine.zero_grad()`, a checkpoint load)."""
+        self.optimizer.clear_grads()
+        self._sum_sq = {}
+        self._norm = None
+        self.clip_request = None
 
     def reset(self) -> None:
         """After a failure, or a load that restored every unit: no update is pending."""
         self.updated = set()
         self.mode = StepMode.AT_STEP
+        self._sum_sq = {}
+        self._norm = None
+        self.clip_request = None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -297,3 +364,13 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
+
+
+def _sum_of_squares(st: Any) -> Optional[torch.Tensor]:
+    """A unit's gradient sum of squares over its optimized elements, as a float64 tensor
+    (the dot in fp32, as clipping always took it), or None when it holds none this step."""
+    # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
+    if not st.grad_valid or st.optimized_numel == 0:
+        return None
+    g = st.grad[: st.optimized_numel]
+    return torch.dot(g, g).double()

@@ -2,7 +2,8 @@
 
 The engine talks to other ranks through exactly four operations: all-gather of a unit's
 shards, reduce-scatter (average) of a unit's gradients, all-reduce of a few scalars (grad
-norm, overflow flag) and broadcast-free full-state gathers. Everything goes through
+norm, overflow flag) and broadcast-free full-state gathers; outside training, one broadcast
+(a rank's edits written back by `engine.gathered(..., modifier_rank=r)`). Everything goes through
 `ProcessGroupInfo` so that world size 1 runs with no process group and no collectives at
 all: a single plain `python train.py` needs no launcher.
 """
@@ -172,6 +173,14 @@ def all_reduce_max_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     return t
 
 
+def broadcast_(t: torch.Tensor, src: int, pg: ProcessGroupInfo) -> torch.Tensor:
+    """t = rank `src`'s t, on every rank (`src` is a rank of the group). Used outside
+    training only (`engine.gathered(..., modifier_rank=src)` writing back a rank's edits)."""
+    if pg.world_size > 1:
+        dist.broadcast(_fresh(t), group_src=src, group=pg.group)
+    return t
+
+
 def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> torch.device:
     """Where tensors must live for this group's collectives (NCCL: the GPU; gloo: the CPU;
     no group at world size 1: the compute device, where the "collective" is a local copy)."""
@@ -188,3 +197,17 @@ def all_reduce_host(t: torch.Tensor, op: str, pg: ProcessGroupInfo, compute_devi
     x = t.to(collective_device(pg, compute_device))
     (all_reduce_max_ if op == "max" else all_reduce_sum_)(x, pg)
     return x.cpu()
+
+
+def resolve_device(name: str) -> torch.device:
+    """The compute device `config.compute_device` names ('auto', 'cpu', 'cuda': this
+    process's current GPU, which `setup_process_group` selected from LOCAL_RANK)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("compute_device='cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"compute_device={name!r}; allowed: 'auto', 'cpu', 'cuda'")

@@ -29,6 +29,7 @@ from torch import nn
 import offload.units.collectives as _dist
 from offload.sizes import align_up
 from offload.storage.tiers import Tier, wait
+from offload.units.parameter import UnitParameter
 
 PARAM_ALIGN_ELEMS = 16
 """Each parameter starts at a multiple of 16 elements: 64-byte (cache line / AVX-512)
@@ -201,6 +202,10 @@ class FlatUnit:
         self.key = (index, "param")
         self.state = UnitState.SHARDED
         self._gather_work: Any = None
+        self.holds = 0
+        """Holds taken outside training (`engine.gathered`, a submodule called alone, a state
+        dict: offload/runtime/gathered.py). While > 0, `free()` leaves the unit as it is: the
+        holder frees it when the last hold goes."""
         if self.key not in tier:
             tier.allocate(self.key, layout.shard_numel, dtype)
         shard = tier.view(self.key)
@@ -217,7 +222,7 @@ class FlatUnit:
             self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         # Views are made while `full` has its bytes (set_ would otherwise grow the storage).
         self.params: list[nn.Parameter] = [
-            nn.Parameter(self._slot_view(s), requires_grad=rg)
+            UnitParameter(self._slot_view(s), requires_grad=rg)  # [Note: clipping refused]
             for s, rg in zip(layout.slots, requires_grad)
         ]
         if not self.aliased:
@@ -329,8 +334,8 @@ class FlatUnit:
     def free(self) -> None:
         """Release the full buffer (idempotent; a no-op when aliased to the shard). Also
         releases bytes a dropped prefetch allocated. A gather in flight completes first
-        (the other ranks take part in it)."""
-        if self.aliased:
+        (the other ranks take part in it). A held unit stays (see `holds`)."""
+        if self.aliased or self.holds:
             return
         if self.state is UnitState.GATHERING:
             self._finish_gather()
