@@ -13,10 +13,12 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from benchmarks._common import busy, load_average
 from benchmarks._report import render
 
 # The order users read them in: disk, optimizer, then whole training steps, then checkpoints.
@@ -60,15 +62,17 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--quick", *QUICK_ARGS.get(name, [])]
         cmd += args.extra
         print(f"== {' '.join(cmd)}", flush=True)
+        load_before = load_average()
+        if busy(load_before):
+            print(f"  warning: the machine is busy before {name}: 1-min load average "
+                  f"{load_before['load_avg'][0]:g} > 0.5 x {load_before['cores']} cores; "
+                  f"its figures may be off (rerun on a quiet machine)", flush=True)
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=here.parent, text=True, capture_output=True, timeout=timeout_s)
-            log, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            log = _text(exc.stdout) + _text(exc.stderr) + f"\n[suite] killed after {timeout_s:g} s\n"
-            rc = None
+        log, rc = _run(cmd, here.parent, timeout_s, name)
+        load = {"before": load_before, "after": load_average(), "busy_before": busy(load_before)}
         (out / f"{name}.log").write_text(log)
-        print(log if rc != 0 else proc.stdout, end="", flush=True)
+        if rc != 0:
+            print(log, end="", flush=True)
         if rc != 0 or not json_path.is_file():
             tail = (log.strip().splitlines() or ["no output"])[-1]
             failures[name] = (f"timed out after {timeout_s:g} s" if rc is None else f"exit {rc}: {tail}")
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results[name] = json.loads(json_path.read_text())
         results[name]["_wall_s"] = round(time.perf_counter() - t0, 1)
+        results[name]["_load"] = load
 
     suite = {
         "command": " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]),
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - t_suite, 1),
         "results": results,
         "failures": failures,
+        "cores": load_average()["cores"],
     }
     report, plots = render(suite, out)
     suite["plots"] = plots
@@ -93,10 +99,72 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _text(b: bytes | str | None) -> str:
-    if b is None:
-        return ""
-    return b if isinstance(b, str) else b.decode(errors="replace")
+def _run(cmd: list[str], cwd: Path, timeout_s: float, name: str) -> tuple[str, Optional[int]]:
+    """Run one benchmark, its stdout and stderr merged, echoed live; return (log, exit status,
+    None when it was killed for `timeout_s`).
+
+    The benchmark's output is a pipe, so its rounds arrive as `[progress] desc k/n` lines
+    (benchmarks/_common.py `Progress`). On a terminal they drive one tqdm bar per benchmark
+    (its total grows as each case announces its rounds); elsewhere (CI, a log file) they are
+    echoed as the plain lines they are.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            bufsize=1)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    bar = _Bar(name) if sys.stdout.isatty() else None
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if bar is not None and line.startswith("[progress] "):
+                bar.update(line)
+            elif bar is not None:
+                bar.write(line.rstrip("\n"))
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if bar is not None:
+            bar.close()
+    log = "".join(lines)
+    if killed.is_set():
+        return log + f"\n[suite] killed after {timeout_s:g} s\n", None
+    return log, proc.returncode
+
+
+class _Bar:
+    """One tqdm bar per benchmark over all its rounds, fed by its `[progress]` lines."""
+
+    def __init__(self, name: str) -> None:
+        from tqdm import tqdm
+
+        self.tqdm = tqdm
+        self.bar = tqdm(total=0, desc=name, unit="round", dynamic_ncols=True)
+        self.seen: set[str] = set()
+
+    def update(self, line: str) -> None:
+        desc, _, count = line[len("[progress] "):].rstrip().rpartition(" ")
+        done, _, total = count.partition("/")
+        if desc not in self.seen:  # a new case: its rounds join the bar's total
+            self.seen.add(desc)
+            self.bar.total += int(total)
+        self.bar.set_postfix_str(desc, refresh=False)
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        self.tqdm.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -82,6 +83,41 @@ def _filesystem_of(path: str) -> str:
         return "unknown"
 
 
+# [Note: ratio direction] Every "vs X" column in every benchmark reads the same way: X's
+# time / ours, which for rates (GB/s, params/s) is our rate / X's rate. Above 1 means offload
+# (the row's contender) is faster than X; below 1, slower. "vs roofline" / "vs disk" read the
+# same way: the share of that limit reached. One direction, so no table needs decoding.
+RATIO_LEGEND = ("ratios: every 'vs X' column is X's time / ours (= our rate / X's rate); "
+                ">1 means offload is faster than X, <1 slower; n/a (reason) when X did not run")
+
+
+def peer_reason(exc: BaseException) -> str:
+    """Why a peer could not run here, in one short line ("deepspeed not installed (pip install
+    deepspeed)" rather than a traceback's last line)."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        top = exc.name.split(".")[0]
+        return f"{top} not installed (pip install {top})"
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def load_average() -> dict[str, Any]:
+    """The machine's load now: 1/5/15-minute load averages and the usable cores. Two runs
+    back to back differed 3x on a shared VM; this says which figures to distrust."""
+    return {"load_avg": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count() or 1}
+
+
+def busy(load: dict[str, Any], share: float = 0.5) -> bool:
+    """The machine counts as busy when the 1-minute load average exceeds `share` x cores."""
+    return load["load_avg"][0] > share * load["cores"]
+
+
+def progress_line(desc: str, done: int, total: int) -> None:
+    """One round done: a machine-readable line the suite runner turns into its progress bar
+    (or echoes as is when its own output is not a terminal)."""
+    print(f"[progress] {desc} {done}/{total}", flush=True)
+
+
 def print_machine(info: dict[str, Any]) -> None:
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
 
@@ -101,16 +137,18 @@ class Samples:
 
 
 def interleave(
-    contenders: dict[str, Callable[[], float]], repeats: int
+    contenders: dict[str, Callable[[], float]], repeats: int, desc: Optional[str] = None
 ) -> dict[str, Samples]:
     """Run each contender once per round, in turn, `repeats` rounds; collect what each returns.
 
     A contender returns its own measurement (seconds, GB/s, ...), so setup it does outside
     the timed region stays out of the figure. A contender that raises is dropped with its
-    reason printed, and the others go on.
+    reason printed, and the others go on. With `desc`, each round reports its progress
+    (`Progress`: a tqdm bar on a terminal, plain `[progress]` lines otherwise).
     """
     samples = {name: Samples() for name in contenders}
     alive = dict(contenders)
+    bar = Progress(desc, repeats) if desc else None
     for _ in range(repeats):
         for name, fn in list(alive.items()):
             try:
@@ -118,7 +156,36 @@ def interleave(
             except Exception as exc:  # a peer failing must not sink the whole benchmark
                 print(f"  [{name}] dropped: {type(exc).__name__}: {exc}")
                 del alive[name]
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     return samples
+
+
+class Progress:
+    """Rounds done out of `total`: a tqdm bar when stderr is a terminal, else one plain
+    `[progress] desc k/n` line per round on stdout (what the suite runner reads, since it
+    runs each benchmark with its output piped)."""
+
+    def __init__(self, desc: str, total: int) -> None:
+        self.desc, self.total, self.done = desc, total, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="round", leave=False)
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        else:
+            progress_line(self.desc, self.done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -128,13 +195,19 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None) -> None:
-    """A plain aligned table; the caller puts ratio columns last."""
+def print_table(rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None,
+                na: Optional[dict[str, str]] = None) -> None:
+    """A plain aligned table; the caller puts ratio columns last. `na` maps a column to the
+    reason its empty cells are empty (the peer it compares with did not run), printed as
+    "n/a (reason)" in place of a bare dash; the legend of the ratios goes above."""
     if not rows:
         print("(no rows)")
         return
     columns = list(columns or rows[0].keys())
-    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    if any(c.startswith("vs") for c in columns):
+        print(RATIO_LEGEND)
+    na = na or {}
+    cells = [[_fmt(r.get(c), na.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     print("  ".join("-" * w for w in widths))
@@ -142,12 +215,13 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]]
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, why_empty: Optional[str] = None) -> str:
+    empty = f"n/a ({why_empty})" if why_empty else "-"
     if v is None:
-        return "-"
+        return empty
     if isinstance(v, float):
         if v != v:
-            return "-"
+            return empty
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
 
@@ -162,7 +236,15 @@ def write_json(path: Optional[str], payload: dict[str, Any]) -> None:
 
 
 def ratio(a: float, b: float) -> float:
+    """a / b, or nan when either is missing. Callers pass (our rate, X's rate) or (X's time,
+    our time), so that every ratio reads as [Note: ratio direction] says."""
     return a / b if b and b == b and a == a else float("nan")
+
+
+def na_reasons(ratio_peers: dict[str, str], peers_missing: dict[str, str]) -> dict[str, str]:
+    """{ratio column: why it is empty} for the columns whose peer did not run."""
+    return {col: (why if peer.split("_")[0].lower() in why.lower() else f"{peer}: {why}")
+            for col, peer in ratio_peers.items() if (why := peers_missing.get(peer))}
 
 
 def chunks(it: Iterable[Any], n: int) -> Iterable[list[Any]]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks._common import RATIO_LEGEND, na_reasons
+
 Result = dict[str, Any]
 
 
@@ -26,18 +28,24 @@ def render(suite: dict[str, Any], out: Path) -> tuple[str, dict[str, str]]:
     """The report's Markdown, and {plot file name: caption} of the PNGs written into `out`."""
     plt, why_no_plots = _pyplot()
     lines = ["# offload benchmark report", ""]
+    if why_no_plots:  # first thing read: a report without its pictures must say why at once
+        lines += [f"**Plots skipped: {why_no_plots}.** No PNG was written; install the extra "
+                  f"(from a checkout: `pip install -e \".[bench]\"`) and rerun.", ""]
+    lines += _load_summary(suite)
     machine = next((r.get("machine") for r in suite["results"].values() if r.get("machine")), None)
     if machine:
         lines += ["Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
     mode = "quick" if suite.get("quick") else "full"
     lines += [f"Mode: {mode}. Command: `{suite.get('command', 'python -m benchmarks')}`", ""]
-    if why_no_plots:
-        lines += [f"Plots skipped: {why_no_plots}.", ""]
     plots: dict[str, str] = {}
     for name, result in suite["results"].items():
         wall = result.get("_wall_s")
         lines += [f"## {name}" + (f" ({wall:g} s)" if wall is not None else ""), ""]
-        lines += _table(result.get("rows") or [])
+        missing = result.get("peers_missing") or {}
+        if missing:
+            lines += ["Peers missing: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
+        na = {**na_reasons(result.get("ratio_peers") or {}, missing), **(result.get("na_reasons") or {})}
+        lines += _table(result.get("rows") or [], na)
         if plt is None:
             continue
         try:
@@ -65,23 +73,52 @@ def _pyplot() -> tuple[Any, Optional[str]]:
     return plt, None
 
 
-def _table(rows: list[dict[str, Any]]) -> list[str]:
+def _load_summary(suite: dict[str, Any]) -> list[str]:
+    """Load averages before and after each benchmark, and a warning when one started on a busy
+    machine (1-min load > 0.5 x cores): two runs back to back once differed 3x."""
+    loads = {n: r["_load"] for n, r in suite["results"].items() if r.get("_load")}
+    if not loads:
+        return []
+    cores = next(iter(loads.values()))["before"]["cores"]
+    out = []
+    busy = [n for n, ld in loads.items() if ld.get("busy_before")]
+    if busy:
+        out += [f"**Warning: the machine was busy** before {', '.join(busy)} (1-min load average "
+                f"above 0.5 x {cores} cores): those figures may be off; rerun on a quiet machine.", ""]
+    out += [f"Load average (1, 5, 15 min) on {cores} cores:", "",
+            "| benchmark | before | after | busy before |", "|---|---|---|---|"]
+    for n, ld in loads.items():
+        out.append(f"| {n} | {_triple(ld['before'])} | {_triple(ld['after'])} | "
+                   f"{'yes' if ld.get('busy_before') else 'no'} |")
+    return out + [""]
+
+
+def _triple(load: dict[str, Any]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load["load_avg"])
+
+
+def _table(rows: list[dict[str, Any]], na: Optional[dict[str, str]] = None) -> list[str]:
+    """A Markdown table; an empty cell of a column in `na` reads "n/a (why)". Tables with ratio
+    columns get the legend above them."""
     if not rows:
         return ["(no rows)", ""]
     cols: list[str] = []
     for r in rows:  # the union of the rows' columns, in first-seen order
         cols += [c for c in r if c not in cols]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    na = na or {}
+    out = [RATIO_LEGEND + ".", ""] if any(c.startswith("vs") for c in cols) else []
+    out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_cell(r.get(c), na.get(c)) for c in cols) + " |" for r in rows]
     return out + [""]
 
 
-def _cell(v: Any) -> str:
+def _cell(v: Any, why_empty: Optional[str] = None) -> str:
+    empty = f"n/a ({why_empty})" if why_empty else ""
     if isinstance(v, float):
         if v != v:
-            return ""
+            return empty
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return "" if v is None else str(v)
+    return empty if v is None else str(v)
 
 
 def _number(v: Any) -> Optional[float]:
@@ -152,23 +189,40 @@ def _size_label(n: float) -> str:
 
 
 def _plot_adam(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
-    """Mparam/s vs threads at the largest size measured, one line per contender."""
+    """Mparam/s vs threads at the largest size measured, one line per contender, each labelled
+    with the bytes per parameter it moves. The roofline is measured at fp32's 28 B/param; a
+    contender moving fewer bytes (bf16 moments: 20 B) has a higher ceiling in params/s, so the
+    roofline is drawn once per byte count (its GB/s over those bytes), in that rows' colour
+    family, and no bf16 line sits against fp32's ceiling."""
     size = max(r["params_M"] for r in rows)
     series: dict[str, list[tuple[int, float]]] = {}
+    bytes_of: dict[str, int] = {}
+    roof_gb_s: dict[int, float] = {}  # threads -> the roofline's GB/s
     for r in rows:
         v = _number(r.get("Mparam/s"))
-        if r["params_M"] == size and v is not None:
-            series.setdefault(r["contender"], []).append((int(r["threads"]), v))
+        if r["params_M"] != size or v is None:
+            continue
+        if r["contender"] == "roofline":
+            roof_gb_s[int(r["threads"])] = v * 1e6 * r.get("B/param", 28) / 1e9
+            continue
+        series.setdefault(r["contender"], []).append((int(r["threads"]), v))
+        bytes_of[r["contender"]] = int(r.get("B/param", 28))
     for label, pts in series.items():
         pts.sort()
         style = "-" if label.startswith("ours") else "--"
-        ax.plot([t for t, _ in pts], [v for _, v in pts], style, marker="o", label=label)
+        ax.plot([t for t, _ in pts], [v for _, v in pts], style, marker="o",
+                label=f"{label} ({bytes_of[label]} B/param)")
+    ts = sorted(roof_gb_s)
+    for nbytes in sorted({b for c, b in bytes_of.items() if c != "triad" and c.startswith(("ours", "torch", "Deep"))}):
+        ax.plot(ts, [roof_gb_s[t] * 1e9 / nbytes / 1e6 for t in ts], ":", color="black",
+                alpha=0.4 + 0.3 * (nbytes == 28), linewidth=2,
+                label=f"roofline at {nbytes} B/param (measured GB/s / {nbytes} B)")
     threads = sorted({t for pts in series.values() for t, _ in pts})
     ax.set_xticks(threads)
     ax.set_xlabel("threads")
     ax.set_ylabel("M params / s (median)")
     ax.set_ylim(bottom=0)
-    return f"Adam step throughput vs threads, {size:g} M params"
+    return f"Adam step throughput vs threads, {size:g} M params (dotted: roofline per byte count)"
 
 
 # Where each bench_train contender keeps parameters and optimizer state.

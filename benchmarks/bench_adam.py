@@ -36,6 +36,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `offload
 from benchmarks._common import (
     base_parser,
     interleave,
+    na_reasons,
+    peer_reason,
     machine_info,
     print_machine,
     print_table,
@@ -74,7 +76,7 @@ def _load_deepspeed() -> tuple[Optional[type], str]:
         DeepSpeedCPUAdam([probe], lr=LR).step()  # JIT-builds the op on first use
         return DeepSpeedCPUAdam, ""
     except Exception as exc:  # any failure (missing, build error) drops the peer
-        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return None, peer_reason(exc)
 
 
 class Buffers:
@@ -193,9 +195,14 @@ def main() -> None:
             contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls).items()}
             for fn in contenders.values():
                 fn()  # warm-up: thread pools started, code and TLB warm
-            samples = interleave(contenders, repeats)
+            samples = interleave(contenders, repeats, desc=f"adam {size_m:g}M params, {threads} threads")
             med = {k: s.median for k, s in samples.items() if s.values}
             per_s = {k: n / t for k, t in med.items()}
+            # The roofline moves 28 B per parameter (fp32 traffic). A contender that moves
+            # fewer bytes (bf16 moments: 20 B) has a higher limit in params/s, so each row is
+            # compared in GB/s: its bytes/s over the roofline's, the share of the bandwidth
+            # limit it reached, never a bf16 row against fp32's params/s.
+            roof_gb_s = per_s.get("roofline", float("nan")) * BYTES["roofline"]
             for name, t in med.items():
                 rows.append(
                     {
@@ -206,7 +213,7 @@ def main() -> None:
                         "ms": t * 1e3,
                         "Mparam/s": per_s[name] / 1e6,
                         "GB/s": per_s[name] * BYTES[name] / 1e9,
-                        "vs roofline": ratio(per_s[name], per_s.get("roofline", float("nan"))),
+                        "vs roofline": ratio(per_s[name] * BYTES[name], roof_gb_s),
                         "vs DeepSpeed": ratio(per_s[name], per_s.get("DeepSpeedCPUAdam", float("nan"))),
                         "vs torch fused": ratio(per_s[name], per_s.get("torch fused", float("nan"))),
                     }
@@ -214,12 +221,17 @@ def main() -> None:
         del buf
     torch.set_num_threads(max_threads)
 
-    print_table(rows)
+    missing = {"DeepSpeedCPUAdam": ds_reason} if ds_reason else {}
+    ratio_peers = {"vs roofline": "roofline", "vs DeepSpeed": "DeepSpeedCPUAdam",
+                   "vs torch fused": "torch fused"}
+    print("vs roofline: the row's GB/s (its own bytes per parameter) / the roofline's GB/s")
+    print_table(rows, na=na_reasons(ratio_peers, missing))
     targets = _check_targets(rows, max(threads_list))
     for line in targets:
         print(line)
     write_json(args.json, {"machine": info, "rows": rows, "targets": targets,
-                           "deepspeed_dropped": ds_reason or None})
+                           "deepspeed_dropped": ds_reason or None,
+                           "peers_missing": missing, "ratio_peers": ratio_peers})
 
 
 def _check_targets(rows: list[dict], threads: int) -> list[str]:

@@ -39,10 +39,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `offload
 import torch
 
 from benchmarks._common import (
+    Progress,
     Samples,
     base_parser,
     interleave,
     machine_info,
+    na_reasons,
+    peer_reason,
     print_machine,
     print_table,
     ratio,
@@ -120,7 +123,7 @@ class DeepSpeedPeer:
                 raise RuntimeError("AsyncIOBuilder is not compatible here (libaio missing?)")
             self.module = builder.load(verbose=False)
         except Exception as exc:  # any failure drops the peer, with the reason printed
-            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.error = peer_reason(exc)
 
     def locked_buffer(self, nbytes: int) -> torch.Tensor:
         h = self.module.aio_handle(1 << 20, 8, False, True, 1)
@@ -143,7 +146,8 @@ class DeepSpeedPeer:
         return run
 
 
-def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int):
+def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int,
+                       desc: Optional[str] = None):
     """``interleave``, one round at a time, the order rotated each round (A B C, B C A, ...).
 
     On this kind of virtual disk a transfer slows the one right after it (the host is still
@@ -153,6 +157,7 @@ def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int)
     names = list(contenders)
     merged = {name: Samples() for name in names}
     dropped: set[str] = set()
+    bar = Progress(desc, repeats) if desc else None
     for r in range(repeats):
         k = r % len(names)
         order = [n for n in names[k:] + names[:k] if n not in dropped]
@@ -162,6 +167,10 @@ def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int)
                 merged[n].values.extend(got[n].values)
             else:
                 dropped.add(n)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     return merged
 
 
@@ -199,10 +208,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     peers_note: dict[str, str] = {}
     fio_ok = not args.no_fio and shutil.which("fio") is not None
     if not fio_ok:
-        peers_note["fio"] = "not installed" if not args.no_fio else "disabled"
+        peers_note["fio"] = ("fio not found on PATH (apt install fio)" if not args.no_fio
+                             else "skipped (--no-fio)")
     ds = None if args.no_deepspeed else DeepSpeedPeer()
     if ds is None:
-        peers_note["deepspeed"] = "disabled"
+        peers_note["deepspeed"] = "skipped (--no-deepspeed)"
     elif ds.error:
         peers_note["deepspeed"] = ds.error
         ds = None
@@ -241,7 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                             contenders["fio"] = fio_contender(path, nbytes, op, bs, qd * threads)
                         if ds is not None:
                             contenders["deepspeed"] = ds.contender(ds_buf, path, op, bs, qd, threads)
-                        samples = rotated_interleave(contenders, repeats)
+                        samples = rotated_interleave(contenders, repeats,
+                                                     f"io {op} {size_label(bs)}/qd{qd}/t{threads}")
                         close()
                         contenders.clear()  # DeepSpeed's handle (and its threads) go now
                         med = {k: s.median for k, s in samples.items()}
@@ -272,8 +283,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     columns = ["op", "block", "qd", "threads", "offload GB/s", "fio GB/s", "deepspeed GB/s",
                "vs fio", "vs best peer"]
+    # "vs best peer" is empty only when no peer ran: its reason is every peer's.
+    ratio_peers = {"vs fio": "fio", "vs best peer": "best peer"}
+    missing = dict(peers_note)
+    if "fio" in peers_note and "deepspeed" in peers_note:
+        missing["best peer"] = "no peer ran"
     print()
-    print_table(rows, columns)
+    print_table(rows, columns, na=na_reasons(ratio_peers, missing))
     summary = {}
     for op in ("write", "read"):
         mine = [r for r in rows if r["op"] == op]
@@ -282,11 +298,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if (v := r.get(k)) is not None and v == v), default=float("nan"))
         summary[op] = {"offload_best_gb_per_s": ours, "best_peer_gb_per_s": peer,
                        "ratio": ratio(ours, peer)}
-        print(f"best setting, {op}: offload {ours:.2f} GB/s vs best peer {peer:.2f} GB/s "
-              f"-> {ratio(ours, peer):.2f}x")
+        if peer == peer:
+            print(f"best setting, {op}: offload {ours:.2f} GB/s vs best peer {peer:.2f} GB/s "
+                  f"-> {ratio(ours, peer):.2f}x (>1: offload faster)")
+        else:
+            why = "; ".join(f"{k}: {v}" for k, v in peers_note.items())
+            print(f"best setting, {op}: offload {ours:.2f} GB/s; vs best peer n/a ({why})")
     write_json(args.json, {
         "machine": info, "rows": rows, "summary": summary, "samples": all_samples,
         "dropped": peers_note, "repeats": repeats,
+        "peers_missing": missing, "ratio_peers": ratio_peers,
         "plot": {"x": "case", "y": "vs best peer", "group": "op",
                  "title": "offload / best peer, median sequential GB/s (1.0 = parity)"},
     })

@@ -55,6 +55,8 @@ from benchmarks._common import (  # noqa: E402
     base_parser,
     interleave,
     machine_info,
+    na_reasons,
+    peer_reason,
     print_machine,
     print_table,
     ratio,
@@ -129,6 +131,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     """name -> {"stats": engine.io_stats, "per_step": [(bytes, wait_s), ...]} for NVMe."""
     sched: dict[str, list[dict]] = {}
     """name -> engine.step_stats() of every measured step, for engine contenders."""
+    dropped: dict[str, str] = {}
+    """name -> why that contender is not in the table (a flag, or its setup failed)."""
     x, y = batch
     lr = 1e-4
 
@@ -151,7 +155,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             contenders[name] = fn
             memory[name] = mem
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
-            print(f"  [{name}] dropped: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            dropped[name] = peer_reason(exc)
+            print(f"  [{name}] dropped: {dropped[name]}")
 
     def torch_setup():
         m = make_model().to(device)
@@ -290,18 +295,28 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
         if args.compare_prefetch:
             add("engine_nvme_all_nopf", lambda: engine_setup("nvme", "nvme", "engine_nvme_all_nopf", prefetch=False))
+    else:
+        for name in ("engine_nvme_opt", "engine_nvme_all", "deepspeed_nvme"):
+            dropped[name] = "skipped (--no-nvme)"
+    if not args.compare_prefetch:
+        dropped["engine_nvme_all_nopf"] = "skipped (no --compare-prefetch)"
     if not args.no_fsdp2:
         add("fsdp2", fsdp2_setup)
+    else:
+        dropped["fsdp2"] = "skipped (--no-fsdp2)"
     if not args.no_deepspeed:
         add("deepspeed", deepspeed_setup)
         if not args.no_nvme:
             add("deepspeed_nvme", lambda: deepspeed_setup(nvme=True))
+    else:
+        dropped.setdefault("deepspeed", "skipped (--no-deepspeed)")
+        dropped.setdefault("deepspeed_nvme", "skipped (--no-deepspeed)")
     for rec in io.values():
         if rec is not None:
             rec["per_step"].clear()  # the warm-up step is not a sample
     for steps in sched.values():
         steps.clear()
-    return contenders, memory, {k: v for k, v in io.items() if v is not None}, engines, sched
+    return contenders, memory, {k: v for k, v in io.items() if v is not None}, engines, sched, dropped
 
 
 def main() -> None:
@@ -363,14 +378,14 @@ def main() -> None:
 
     print(f"engine's Adam: offload.optim.adam_step_flat, native {adam_isa()} kernel")
 
-    contenders, memory, io, engines, sched = build_contenders(args, make_model, batch, device)
+    contenders, memory, io, engines, sched, dropped = build_contenders(args, make_model, batch, device)
     peak = None
     if io:
         peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
         peak = disk_peak(args.nvme_path, peak_bytes, args.block_size, args.queue_depth, args.io_threads)
         print(f"disk peak (offload.storage.io, {peak_bytes >> 20} MiB sequential O_DIRECT under {args.nvme_path}): "
               f"write {peak['write_GBps']:.2f} GB/s, read {peak['read_GBps']:.2f} GB/s")
-    samples = interleave(contenders, repeats)
+    samples = interleave(contenders, repeats, desc="train step")
     med = {k: s.median for k, s in samples.items() if s.values}
     rows = []
     import statistics
@@ -411,26 +426,34 @@ def main() -> None:
                 serial = moved / (1e9 * 0.5 * (peak["read_GBps"] + peak["write_GBps"]))
                 exposed = statistics.median(s["io_wait_s"] for s in st)
                 row["io_hidden_pct"] = max(0.0, 100.0 * (1.0 - exposed / serial)) if serial > 0 else None
+        # [Note: ratio direction] in benchmarks/_common.py: the peer's step time / this
+        # row's, so >1 means this row's contender is faster than the peer.
         row.update(
-            vs_engine=ratio(t, med.get("engine", float("nan"))),
-            vs_torch=ratio(t, med.get("torch", float("nan"))),
-            vs_fsdp2=ratio(t, med.get("fsdp2", float("nan"))),
-            vs_deepspeed=ratio(t, med.get("deepspeed", float("nan"))),
-            vs_deepspeed_nvme=ratio(t, med.get("deepspeed_nvme", float("nan"))),
-            vs_nvme_nopf=ratio(t, med.get("engine_nvme_all_nopf", float("nan"))),
+            vs_engine=ratio(med.get("engine", float("nan")), t),
+            vs_torch=ratio(med.get("torch", float("nan")), t),
+            vs_fsdp2=ratio(med.get("fsdp2", float("nan")), t),
+            vs_deepspeed=ratio(med.get("deepspeed", float("nan")), t),
+            vs_deepspeed_nvme=ratio(med.get("deepspeed_nvme", float("nan")), t),
+            vs_nvme_nopf=ratio(med.get("engine_nvme_all_nopf", float("nan")), t),
             pct_of_disk_peak=(
                 100.0 * row["disk_GBps"] / (0.5 * (peak["read_GBps"] + peak["write_GBps"]))
                 if row["disk_GBps"] is not None and peak else None
             ),
         )
         rows.append(row)
-    print("step time ratios: >1 = slower than the peer; memory: state the contender holds "
+    print("step time ratios: the peer's step time / this row's (>1 = this row is faster); memory: state the contender holds "
           "(params, grads, optimizer; engine: memory_bytes()); disk_GBps: bytes the NVMe tiers "
           "moved per step / step time; pct_of_disk_peak: of the mean of read and write peak")
     print("stall: the engine's thread blocked on I/O, copies and collectives (engine.step_stats()); "
           "opt_overlap_pct: optimizer time that ran during backward; io_hidden_pct: 1 - exposed "
           "I/O wait / (bytes moved at the disk's peak)")
-    print_table(rows)
+    ratio_peers = {"vs_engine": "engine", "vs_torch": "torch", "vs_fsdp2": "fsdp2",
+                   "vs_deepspeed": "deepspeed", "vs_deepspeed_nvme": "deepspeed_nvme",
+                   "vs_nvme_nopf": "engine_nvme_all_nopf"}
+    missing = {k: v for k, v in dropped.items() if k not in med}
+    for name, why in missing.items():
+        print(f"  not run: {name}: {why}")
+    print_table(rows, na=na_reasons(ratio_peers, missing))
     if args.timeline:
         for e in engines:
             path = f"{args.timeline}-{e.bench_name}.json"
@@ -444,6 +467,7 @@ def main() -> None:
     shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
+        "peers_missing": missing, "ratio_peers": ratio_peers,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
     })
     if dist.is_initialized():

@@ -8,11 +8,16 @@ the import. Run it as a DeepSpeed user would:
     python examples/deepspeed_user.py --steps 10
     python examples/deepspeed_user.py --deepspeed_config my_ds_config.json
     torchrun --nproc-per-node 2 examples/deepspeed_user.py
+    python examples/deepspeed_user.py --nvme-path /mnt/nvme/swap   # ZeRO-Infinity: both on NVMe
+
+Errors of the engine's checks (a --nvme-path that cannot be created or written) are one
+line, `error: ...`, exit status 2 (examples/cli.py), not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -22,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_gpt's GP
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout
 
 import offload.compat.deepspeed as deepspeed  # was: import deepspeed
+from cli import engine_errors, make_swap_dir  # examples/cli.py
 from train_gpt import GPT
 
 DS_CONFIG = {
@@ -46,16 +52,34 @@ def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="GPT with DeepSpeed ZeRO-3 + CPU offload")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=64, help="width (4 heads)")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length, tokens")
     parser.add_argument("--samples", type=int, default=256, help="synthetic dataset size")
     parser.add_argument("--save-dir", default=None, help="save a training checkpoint here at the end")
     parser.add_argument("--save-model", default=None,
                         help="save the consolidated weights (pytorch_model.bin) here at the end")
+    parser.add_argument("--nvme-path", default=None,
+                        help="put parameters and optimizer state on NVMe under this directory "
+                             "(the built-in config's offload_param/offload_optimizer device "
+                             "'nvme'); created if missing")
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nvme_path and args.deepspeed_config:
+        parser.error("--nvme-path changes the built-in config; with --deepspeed_config set "
+                     "zero_optimization.offload_param/offload_optimizer.nvme_path in that file")
+    return args
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """DS_CONFIG, with both offloads on NVMe under --nvme-path when it is given."""
+    config = copy.deepcopy(DS_CONFIG)
+    if args.nvme_path:
+        for key in ("offload_param", "offload_optimizer"):
+            config["zero_optimization"][key] = {"device": "nvme", "nvme_path": args.nvme_path,
+                                                "pin_memory": True}
+    return config
 
 
 def make_dataset(args: argparse.Namespace) -> torch.utils.data.Dataset:
@@ -69,13 +93,16 @@ def main(argv=None):
     deepspeed.init_distributed()
     torch.manual_seed(0)
     model = GPT(args.vocab, args.d_model, args.layers, n_head=4, seq=args.seq, qkv_bias=True)
-    model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
-        args=args,
-        model=model,
-        model_parameters=model.parameters(),
-        training_data=make_dataset(args),
-        config=None if args.deepspeed_config else DS_CONFIG,
-    )
+    with engine_errors():  # the engine's checks at the door: `error: ...`, exit 2
+        if args.nvme_path:
+            make_swap_dir(args.nvme_path, "--nvme-path")  # created here, checked by the engine
+        model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
+            args=args,
+            model=model,
+            model_parameters=model.parameters(),
+            training_data=make_dataset(args),
+            config=None if args.deepspeed_config else ds_config(args),
+        )
     rank = model_engine.global_rank
     if rank == 0:
         print(f"train batch size {model_engine.train_batch_size()} = micro "

@@ -43,6 +43,7 @@ import train_gpt  # noqa: E402,F401  (it puts a checkout's offload on sys.path)
 
 from offload.models.gpt import GPT, GPT_PRESETS  # noqa: E402  (train_gpt.py's model)
 from offload.sizes import GiB, format_bytes, parse_bytes  # noqa: E402  (GB = 10**9, GiB = 2**30)
+from cli import size_arg  # noqa: E402  (examples/cli.py: every size flag reads the same forms)
 
 EXIT_OOM = 3
 
@@ -77,19 +78,30 @@ def address_space_limit(spec: str) -> tuple[int, str]:
     return parse_bytes(spec), spec
 
 
+def mem_limit_arg(text: str) -> str:
+    """--mem-limit's forms, checked when the flag is read: auto, SIZE or +SIZE."""
+    if text != "auto":
+        size_arg(text[1:] if text.startswith("+") else text)
+    return text
+
+
+mem_limit_arg.__name__ = "mem-limit"  # argparse names the type in its message
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(GPT_PRESETS), default=None, help="train_gpt.py's presets")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4)")
+    p.add_argument("--d-model", type=int, default=None, help="width (default 256)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=32, help="sequence length, tokens")
+    p.add_argument("--batch", type=int, default=1, help="batch size")
+    p.add_argument("--steps", type=int, default=2, help="training steps to try")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16: fp32 weights + torch.autocast bf16 (PyTorch's mixed precision)")
-    p.add_argument("--mem-limit", default="auto", help="address-space limit: auto, SIZE or +SIZE")
+    p.add_argument("--mem-limit", type=mem_limit_arg, default="auto",
+                   help="address-space limit: auto, SIZE or +SIZE (e.g. 20GiB, +96MiB)")
     p.add_argument("--json", default=None, help="also write the outcome as JSON")
     args = p.parse_args(argv)
     preset = GPT_PRESETS[args.size] if args.size else (4, 256, 4)

@@ -13,9 +13,13 @@ engine starts the process group from them):
 Tiers: --param-tier device|cpu|nvme, --optimizer-tier cpu|nvme (--nvme-path DIR), or
 --placement auto to let the memory planner choose for this machine. Checkpoints:
 --save-dir DIR --save-every N, and --resume to continue from DIR's latest checkpoint.
-Every --log-every steps rank 0 prints step, loss, tokens/s, learning rate and the bytes the
-engine holds per tier (a tqdm bar when tqdm is installed and stderr is a terminal); at the
-end, the peak resident memory of the process against the planner's host figure.
+Rank 0 shows step, loss, tokens/s, the bytes the engine holds per tier and the learning rate:
+a tqdm bar when stdout is a terminal, else one line every --log-every steps
+(examples/progress.py); at the end, the peak resident memory of the process against the
+planner's host figure. Sizes take the same forms in every flag (1GiB, 1.2GB, 512MiB, bytes:
+offload.sizes.parse_bytes). A bad flag value the engine checks (a --nvme-path that cannot be
+created or written, a budget too small for one unit, a full disk) is one line, `error: ...`,
+and exit status 2.
 
 A model larger than this machine's memory (docs/examples.md, "A model larger than RAM"):
 
@@ -47,7 +51,10 @@ except ImportError:  # pragma: no cover - depends on how the example is launched
 # The model is offload's own GPT (offload/models/gpt.py), the one the tests and benchmarks
 # train; this script turns on GPT-2's qkv bias and, from flags, checkpointing and fp32 matmuls.
 from offload.models.gpt import GPT, GPT_PRESETS
-from offload.sizes import GiB, format_bytes, parse_bytes
+from offload.sizes import GiB, format_bytes
+
+from cli import engine_errors, make_swap_dir, size_arg  # examples/cli.py
+from progress import Progress  # examples/progress.py
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -130,21 +137,26 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     m.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4)")
     m.add_argument("--d-model", type=int, default=None, help="width (default 256)")
     m.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
-    m.add_argument("--vocab", type=int, default=8192)
-    m.add_argument("--seq", type=int, default=128)
+    m.add_argument("--vocab", type=int, default=8192, help="vocabulary size (256 with --data)")
+    m.add_argument("--seq", type=int, default=128, help="sequence length, tokens")
     m.add_argument("--checkpoint-activations", action="store_true",
                    help="torch.utils.checkpoint each block (less activation memory, more compute)")
     m.add_argument("--init-on-meta", action="store_true",
                    help="build the model inside offload.init: straight into its shards, for "
                         "models larger than one process's memory")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=20, help="optimizer steps (total, across resumes)")
+    t.add_argument("--steps", type=int, default=20,
+                   help="optimizer steps (total, across resumes); the LR schedule spans them, so "
+                        "--resume refuses a different value")
+    t.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many optimizer steps (the schedule still spans --steps; "
+                        "resume later with the same --steps)")
     t.add_argument("--batch", type=int, default=8, help="micro-batch size per rank")
     t.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=2, help="linear warmup steps")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, x lr")
-    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     t.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
                    help="Adam moments' dtype (bf16: 4 B/param less state, on disk or in memory)")
     t.add_argument("--clip", type=float, default=1.0, help="global-norm clipping; 0 = off")
@@ -155,24 +167,29 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="bf16/fp16 on the CPU: compute each Linear's products in fp32 (auto, "
                         "fp32) or with torch's low-precision kernels (native); see [Note: CPU "
                         "bf16 matmuls] in offload/models/gpt.py")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     t.add_argument("--data", default=None, help="a text file to train on (bytes; sets --vocab 256)")
     o = p.add_argument_group("tiers")
-    o.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu")
-    o.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu")
+    o.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu",
+                   help="where each rank's parameter shard lives")
+    o.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu",
+                   help="where the fp32 master and Adam moments live")
     o.add_argument("--placement", choices=["manual", "auto"], default="manual",
                    help="auto: the memory planner picks the tiers for this machine")
-    o.add_argument("--nvme-path", default=None, help="directory for swap files (nvme tiers)")
-    o.add_argument("--pinned-budget", type=parse_bytes, default="1GiB",
+    o.add_argument("--nvme-path", default=None,
+                   help="directory for swap files (nvme tiers); created if missing")
+    o.add_argument("--pinned-budget", type=size_arg, default="1GiB",
                    help="pinned staging budget (nvme tiers), e.g. 1GiB or 1.2GB or bytes")
-    o.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    o.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="compute device (auto: cuda when available)")
     c = p.add_argument_group("checkpoints and output")
-    c.add_argument("--save-dir", default=None)
+    c.add_argument("--save-dir", default=None, help="checkpoint directory")
     c.add_argument("--save-every", type=int, default=0, help="optimizer steps between checkpoints")
     c.add_argument("--resume", action="store_true", help="continue from --save-dir's latest checkpoint")
-    c.add_argument("--log-every", type=int, default=1)
+    c.add_argument("--log-every", type=int, default=1,
+                   help="steps between progress lines when stdout is not a terminal")
     c.add_argument("--json", default=None, help="write the final figures to this JSON file (rank 0)")
-    c.add_argument("--rss-budget", default=None,
+    c.add_argument("--rss-budget", type=size_arg, default=None,
                    help="host memory budget for this process, e.g. 20GiB (GiB = 2**30 bytes, "
                         "GB = 10**9): the run fails (exit 3) if its peak resident set exceeded it")
     args = p.parse_args(argv)
@@ -182,14 +199,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             setattr(args, name, value)  # an explicit flag wins over the preset
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
-    args.rss_budget_bytes = parse_bytes(args.rss_budget) if args.rss_budget else None
-    if args.nvme_path and "nvme" in (args.param_tier, args.optimizer_tier, args.placement.replace("auto", "nvme")):
-        os.makedirs(args.nvme_path, exist_ok=True)  # the engine checks the disk behind it
+    args.rss_budget_bytes = args.rss_budget
     if args.data:
         args.vocab = 256
     if args.precision == "auto":
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         args.precision = "bf16" if on_gpu else "fp32"
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after {args.stop_after} must be between 1 and --steps {args.steps}")
     if args.resume and not args.save_dir:
         p.error("--resume needs --save-dir (where the checkpoints are)")
     return args
@@ -216,24 +233,56 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}MiB"
 
 
+def _schedule(args: argparse.Namespace) -> dict:
+    """What lr_lambda's schedule depends on: saved with each checkpoint, checked on resume."""
+    return {"steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+            "min_lr_ratio": args.min_lr_ratio}
+
+
+def _resume(engine, args: argparse.Namespace) -> tuple[str, int]:
+    """Load --save-dir's latest checkpoint; (its path, the step to continue from).
+
+    The schedule is a function of --steps (and --warmup, --lr, --min-lr-ratio): resuming
+    with other values would silently bend the LR curve mid-run, so that is refused with both
+    values named; --stop-after ends a run early without changing the schedule."""
+    path, client = engine.load_checkpoint(args.save_dir)
+    client = client or {}
+    saved = client.get("schedule")
+    if saved is not None and saved != _schedule(args):
+        flags = ", ".join(f"--{k.replace('_', '-')} {saved[k]} (this run: {v})"
+                          for k, v in _schedule(args).items() if saved.get(k) != v)
+        raise ValueError(f"{path} was trained on an LR schedule with {flags}; resume with the "
+                         "checkpoint's values (--stop-after ends a run earlier), or start a new "
+                         "run in another --save-dir")
+    return path, int(client.get("step", engine.global_steps))
+
+
+def _uses_nvme(args: argparse.Namespace) -> bool:
+    return args.placement == "auto" or "nvme" in (args.param_tier, args.optimizer_tier)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    config = make_config(args)
+    with engine_errors():  # the engine's checks at the door: `error: ...`, exit 2
+        if args.nvme_path and _uses_nvme(args):
+            make_swap_dir(args.nvme_path, "--nvme-path")  # created here, checked by the engine
+        config = make_config(args)
     torch.manual_seed(args.seed)
     fp32_matmul = args.cpu_matmul != "native" and args.precision in ("bf16", "fp16")
     build = lambda: GPT(  # noqa: E731
         args.vocab, args.d_model, args.layers, args.heads, args.seq, qkv_bias=True,  # GPT-2's
         checkpoint="nonreentrant" if args.checkpoint_activations else "", fp32_matmul=fp32_matmul)
     t_init = time.perf_counter()
-    if args.init_on_meta:
-        with offload.init(config):
+    with engine_errors():
+        if args.init_on_meta:
+            with offload.init(config):
+                model = build()
+        else:
             model = build()
-    else:
-        model = build()
-    n_params = sum(p.numel() for p in model.parameters())
-    engine = offload.initialize(
-        model, config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
+        n_params = sum(p.numel() for p in model.parameters())
+        engine = offload.initialize(
+            model, config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args)))
     init_s = time.perf_counter() - t_init
     planned = _planned(model, engine)
     del model  # the engine holds the shards; the original parameters can go
@@ -242,8 +291,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     start = 0
     if args.resume:
-        path, client = engine.load_checkpoint(args.save_dir)
-        start = int((client or {}).get("step", engine.global_steps))
+        with engine_errors():
+            try:
+                path, start = _resume(engine, args)
+            except BaseException:
+                engine.close()  # no swap files left behind by a refused resume
+                raise
         if rank == 0:
             print(f"resumed from {path} at step {start}", flush=True)
 
@@ -257,14 +310,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"+ pinned {_size(planned['pinned'])}, nvme {_size(planned['nvme'])}, work "
                   f"{_size(planned['work'])}; peak RSS so far {_size(peak_rss_bytes())}", flush=True)
 
-    bar = None
-    if rank == 0 and sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
-        except ImportError:
-            bar = None
+    end = min(args.steps, args.stop_after) if args.stop_after is not None else args.steps
+    progress = Progress(args.steps, initial=start, every=args.log_every) if rank == 0 else None
 
     engine.train()
     data = batches(args, rank, start)
@@ -275,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     io_per_step: list[int] = []
     io_wait_s: list[float] = []
     t_run = time.perf_counter()
-    for step in range(start, args.steps):
+    for step in range(start, end):
         t0 = time.perf_counter()
         io0 = engine.io_stats()
         total = 0.0
@@ -293,26 +340,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
         io_wait_s.append(io1["wait_s"] - io0["wait_s"])
         tok_s = tokens_per_step / dt
         done = step + 1
-        if args.save_dir and args.save_every and (done % args.save_every == 0 or done == args.steps):
-            engine.save_checkpoint(args.save_dir, client_state={"step": done})
-        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+        if args.save_dir and args.save_every and (done % args.save_every == 0 or done == end):
+            engine.save_checkpoint(args.save_dir, client_state={"step": done, "schedule": _schedule(args)})
+        if progress is not None:
             mem = engine.memory_bytes()
             tiers = " ".join(f"{k} {_mib(v)}" for k, v in mem.items())  # device host [pinned] nvme
-            line = (f"step {done}/{args.steps} loss {loss_value:.4f} tok/s {_rate(tok_s)} "
-                    f"lr {engine.get_lr()[0]:.2e} mem {tiers}")
+            # Most important first: a bar too wide for the terminal drops fields from the end.
+            fields = [f"loss {loss_value:.4f}", f"tok/s {_rate(tok_s)}", f"mem {tiers}",
+                      f"lr {engine.get_lr()[0]:.2e}"]
             if io_per_step[-1]:
-                line += (f" | {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
-                         f"waited {io_wait_s[-1]:.1f} s")
-            if bar is not None:
-                bar.set_postfix_str(line.split(" ", 2)[2])
-                bar.update(done - bar.n)
-            else:
-                print(line, flush=True)
-    if bar is not None:
-        bar.close()
+                fields.append(f"| {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
+                              f"waited {io_wait_s[-1]:.1f} s")
+            progress.update(done, fields)
+    if progress is not None:
+        progress.close()
     memory = engine.memory_bytes()
     peak = peak_rss_bytes()
-    result = {"params": n_params, "world_size": world, "steps": args.steps, "start_step": start,
+    result = {"params": n_params, "world_size": world, "steps": end, "schedule_steps": args.steps,
+              "start_step": start,
               "final_loss": loss_value, "tokens_per_s": tok_s,
               "seconds": time.perf_counter() - t_run, "memory": memory,
               "param_tier": cfg.offload.param_tier, "optimizer_tier": cfg.offload.optimizer_tier,
@@ -358,10 +403,14 @@ def _rate(x: float) -> str:
 
 
 def _summary(r: dict, tokens_per_step: int) -> None:
-    """The end-of-run figures: state per tier, time per step, I/O, peak RSS vs plan/budget."""
+    """The end-of-run figures: state per tier, time per step, I/O, peak RSS vs plan/budget.
+
+    Every byte figure is this rank's (memory_bytes, io_stats, RSS), so per-parameter figures
+    divide by this rank's share of the parameters (params / world size), not the total."""
     mem = r["memory"]
     state = mem["host"] + mem["device"] + mem["nvme"]  # pinned is staging, not state
-    print(f"training state: {state / 1e9:.1f} GB ({state / r['params']:.1f} B/param): host "
+    rank_params = r["params"] / r["world_size"]
+    print(f"training state per rank: {state / 1e9:.1f} GB ({state / rank_params:.1f} B/param): host "
           f"{_size(mem['host'])}, device {_size(mem['device'])}, nvme {_size(mem['nvme'])}; "
           f"pinned staging {_size(mem.get('pinned', 0))}")
     steps = r["step_s"]
@@ -373,7 +422,7 @@ def _summary(r: dict, tokens_per_step: int) -> None:
         io = statistics.median(r["io_bytes_per_step"][1:] or r["io_bytes_per_step"])
         print(f"init {r['init_s']:.1f} s; step times {', '.join(f'{s:.1f}' for s in steps)} s; "
               f"median after the first {t:.1f} s = {_rate(tokens_per_step / t)} tokens/s; "
-              f"NVMe I/O {io / 1e9:.1f} GB/step ({io / r['params']:.1f} B/param, "
+              f"NVMe I/O per rank {io / 1e9:.1f} GB/step ({io / rank_params:.1f} B/param, "
               f"{io / t / 1e9:.2f} GB/s)")
     line = f"peak RSS {_size(r['peak_rss_bytes'])}"
     if r["planned"]:

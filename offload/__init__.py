@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "initialize", "init", "Engine", "__version__"]
+__all__ = ["Config", "initialize", "init", "Engine", "enable_logging", "__version__"]
 
 # Lazy attributes: `import offload` stays cheap (no torch.distributed, no native load)
 # until the user reaches for the engine.
@@ -24,12 +24,15 @@ _LAZY = {
     "initialize": ("offload.engine", "initialize"),
     "Engine": ("offload.engine", "Engine"),
     "init": ("offload.meta_init", "init"),
+    # Show offload's INFO records (the initialize line, the step report): docs/engine.md.
+    "enable_logging": ("offload.runtime.report", "enable_logging"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from offload.config import Config
     from offload.engine import Engine, initialize
     from offload.meta_init import init
+    from offload.runtime.report import enable_logging
 
 
 def __getattr__(name: str) -> Any:

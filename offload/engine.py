@@ -57,7 +57,9 @@ from offload.runtime.lifecycle import (
     released_parameters,
     remove_hooks,
 )
+from offload.runtime.monitors import check_monitors
 from offload.runtime.optimizer_step import StepMode, StepPolicy
+from offload.runtime.report import StepReporter
 from offload.runtime.schedule import Phase
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import ShardedState
@@ -139,6 +141,7 @@ class Engine:
         """What put the engine in EngineState.FAILED (the step's own error)."""
 
         check_weights_present(model)
+        check_monitors(config.monitors)  # a missing library fails here, before the build
         built = build(self, model, config, self.pg, self.device, self.dtype, optimizer)
         self._close_nvme = built.close_nvme
         self.units, self.states = built.units, built.states
@@ -172,6 +175,8 @@ class Engine:
         self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks)
         # HF generate() then keeps every rank's forwards in step ([Note: generation in step]).
         self._marked_generation = mark_synced_generation(model, self.world_size)
+        self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
+        self.reporter.log_built()
 
     # -- hooks (the wiring: each asks the collaborator that owns the state) -----------------
 
@@ -290,6 +295,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self._check_ready("engine.backward")
+        self.reporter.observe_loss(loss)  # a float only for a step that will be reported
         bad = self.policy.nonfinite_loss(loss)
         if bad is not None:
             self._abort_backward()  # the forward's gathered units and pending reduces go
@@ -332,10 +338,11 @@ class Engine:
             self.gather.before_optimizer_step()
             nonfinite = self.policy.apply()
             self.gather.prefetch_next_iteration()
-            self.timeline.end_step()
+            stats = self.timeline.end_step()
         except BaseException as exc:
             self._fail(exc)
             raise
+        self.reporter.after_step(stats)
         if nonfinite is not None:
             raise nonfinite  # the step was skipped whole: the engine stays consistent
 
@@ -534,6 +541,8 @@ class Engine:
         engine started it. Idempotent; also what `with initialize(...) as engine:` does on
         exit."""
         LIVE_ENGINES.discard(self)
+        if getattr(self, "reporter", None) is not None:
+            self.reporter.close()  # monitors flush and close
         remove_hooks(self._hooks)
         if getattr(self, "_marked_generation", False):
             unmark_synced_generation(self.module)

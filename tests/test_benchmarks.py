@@ -41,6 +41,14 @@ def test_suite_runs_bench_io_end_to_end_and_writes_report_json_and_plot(tmp_path
     data = json.loads((tmp_path / "suite.json").read_text())
     assert data["failures"] == {} and len(data["results"]["bench_io"]["rows"]) == 4
     assert data["results"]["bench_io"]["rows"][0]["offload GB/s"] > 0
+    # issue 22: the ratio legend, the peers that did not run with why, the load average
+    assert "ratios: every 'vs X' column is X's time / ours" in report and ">1 means offload is faster" in report
+    assert "Peers missing:" in report and "deepspeed: skipped (--no-deepspeed)" in report
+    assert "| nan" not in report and "nanx" not in report and "n/a (" in report
+    load = data["results"]["bench_io"]["_load"]
+    assert load["before"]["cores"] >= 1 and len(load["after"]["load_avg"]) == 3
+    assert "Load average (1, 5, 15 min)" in report
+    assert "[progress] io write 256K/qd32/t1 1/1" in out.stdout  # plain lines: stdout is a pipe
     if HAS_MATPLOTLIB:
         png = tmp_path / "bench_io.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -83,3 +91,32 @@ def test_report_keeps_its_tables_when_a_plot_fails(tmp_path):
     text, plots = _report.render(suite_data, tmp_path)
     assert "Plot skipped: KeyError" in text and "| 10 | ours fp32 | 1 |" in text
     assert list(plots) == ["bench_checkpoint.png"] and (tmp_path / "bench_checkpoint.png").is_file()
+
+
+def test_report_warns_when_busy_and_says_why_a_ratio_is_missing(tmp_path):
+    from benchmarks._common import busy
+
+    quiet = {"load_avg": [0.4, 0.3, 0.2], "cores": 2}
+    loaded = {"load_avg": [1.5, 1.0, 0.5], "cores": 2}
+    assert not busy(quiet) and busy(loaded)  # the threshold: 1-min load > 0.5 x cores
+    rows = [{"contender": "ours fp32", "ms": 1.0, "vs DeepSpeed": float("nan"), "vs torch fused": 1.2}]
+    result = {"rows": rows, "peers_missing": {"DeepSpeedCPUAdam": "deepspeed not installed (pip install deepspeed)"},
+              "ratio_peers": {"vs DeepSpeed": "DeepSpeedCPUAdam", "vs torch fused": "torch fused"},
+              "_load": {"before": loaded, "after": quiet, "busy_before": True}}
+    text, _ = _report.render({"quick": True, "results": {"bench_x": result}, "failures": {}}, tmp_path)
+    assert "**Warning: the machine was busy** before bench_x" in text
+    assert "| bench_x | 1.50 / 1.00 / 0.50 | 0.40 / 0.30 / 0.20 | yes |" in text
+    assert "Peers missing: DeepSpeedCPUAdam: deepspeed not installed" in text
+    assert "| ours fp32 | 1 | n/a (DeepSpeedCPUAdam: deepspeed not installed (pip install deepspeed)) | 1.2 |" in text
+    quiet_result = {**result, "_load": {"before": quiet, "after": quiet, "busy_before": False}}
+    text, _ = _report.render({"quick": True, "results": {"bench_x": quiet_result}, "failures": {}}, tmp_path)
+    assert "Warning" not in text  # the negative control
+
+
+def test_bench_train_ratio_direction_is_peer_time_over_ours():
+    # [Note: ratio direction]: a row twice as fast as the peer reads 2.0, in every benchmark.
+    from benchmarks._common import ratio
+
+    ours_s, peer_s = 0.5, 1.0
+    assert ratio(peer_s, ours_s) == 2.0  # bench_train: peer's time / ours
+    assert ratio(1 / ours_s, 1 / peer_s) == 2.0  # bench_io/adam/checkpoint: our rate / theirs

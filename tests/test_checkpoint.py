@@ -661,7 +661,7 @@ def test_a_failed_consolidation_leaves_no_file_and_keeps_the_old_one(saved, tmp_
     _flip_byte(os.path.join(path, rank0["file"]), last["offset"] + 8)
     for name, size in (("single", "10GB"), ("sharded", "20KB")):
         with pytest.raises(CheckpointCorruptError, match=r"rank00000\.shards"):
-            consolidate(str(ckdir), str(tmp_path / name), max_shard_size=size)
+            consolidate(str(ckdir), str(tmp_path / name), max_shard_size=size, overwrite=True)
         left = sorted(os.listdir(tmp_path / name))
         assert left == sorted(os.path.basename(p) for p in good[name]), left  # no temporaries
         for p, data in good[name].items():
@@ -669,6 +669,35 @@ def test_a_failed_consolidation_leaves_no_file_and_keeps_the_old_one(saved, tmp_
     with pytest.raises(CheckpointCorruptError):
         consolidate(str(ckdir), str(tmp_path / "fresh"))
     assert os.listdir(tmp_path / "fresh") == []  # nothing that looks like a model
+
+
+def test_consolidate_refuses_a_non_empty_output_unless_overwrite(saved, tmp_path):
+    """An existing non-empty OUT is refused with the fix named (CLI: exit 1, nothing
+    touched); --overwrite replaces it whole: a stale shard of an earlier split does not
+    survive beside the new single file, and no staging directory is left behind."""
+    from safetensors.torch import load_file
+
+    ckdir, path, sd = saved
+    out = tmp_path / "out"
+    consolidate(str(ckdir), str(out), max_shard_size="20KB")
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    assert len(before) > 2
+    with pytest.raises(FileExistsError, match=r"exists and is not empty .*--overwrite"):
+        consolidate(str(ckdir), str(out))
+    cli = [sys.executable, "-m", "offload.checkpoint", "consolidate", path, str(out)]
+    bad = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "--overwrite" in bad.stderr, bad.stderr
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # untouched
+    ok = subprocess.run(cli + ["--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert os.listdir(out) == ["model.safetensors"]  # the old split's files are gone
+    assert ok.stdout.split() == [str(out / "model.safetensors")]
+    assert [f for f in os.listdir(tmp_path) if f.startswith("out")] == ["out"]  # no staging/old dir
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    (tmp_path / "empty").mkdir()  # an existing empty directory is fine without --overwrite
+    assert [os.path.basename(p) for p in consolidate(str(ckdir), str(tmp_path / "empty"))] == \
+        ["model.safetensors"]
 
 
 def test_consolidated_world_size_2_checkpoint_equals_full_state_dict(ws2_checkpoint, tmp_path):

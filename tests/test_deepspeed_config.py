@@ -16,6 +16,7 @@ from offload.config import (
     Config,
     ConfigError,
     DeepSpeedConfigWarning,
+    LoggingConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -119,9 +120,10 @@ def test_zero_offload_cpu_example_translates_to_the_expected_config():
         gradient_clipping=1.0,
         gradient_accumulation_steps=2,
         train_micro_batch_size_per_gpu=4,
+        logging=LoggingConfig(steps_per_print=100),  # the step report (tests/test_logging.py)
     )
     assert config.ignored_keys == (
-        "steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
+        "zero_optimization.contiguous_gradients",
         "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.stage3_max_live_parameters",
@@ -193,7 +195,7 @@ def test_load_config_detects_a_deepspeed_dict():
 # ---- reporting ----------------------------------------------------------------------------
 
 def test_ignored_keys_are_reported_once_by_name_with_the_reason():
-    ds = _ds(steps_per_print=10, wandb={"enabled": False}, zero={"overlap_comm": True})
+    ds = _ds(flops_profiler={"enabled": False}, comet={"enabled": False}, zero={"overlap_comm": True})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = translate_deepspeed(ds, world_size=1)
@@ -201,10 +203,11 @@ def test_ignored_keys_are_reported_once_by_name_with_the_reason():
     assert len(reports) == 1
     text = str(reports[0].message)
     assert "3 valid DeepSpeed key(s) are not honoured" in text
-    assert "steps_per_print: logging" in text and "wandb: monitoring" in text
+    assert "flops_profiler: offload has no FLOPs profiler; use torch.profiler" in text
+    assert "comet: offload has no Comet monitor" in text
     assert "zero_optimization.overlap_comm: offload always overlaps communication" in text
     assert reports[0].filename == __file__  # points at the caller, not at offload's internals
-    assert config.ignored_keys == ("steps_per_print", "wandb", "zero_optimization.overlap_comm")
+    assert config.ignored_keys == ("comet", "flops_profiler", "zero_optimization.overlap_comm")
 
 
 def test_nothing_to_report_means_no_warning():
@@ -223,7 +226,7 @@ def test_optimizer_offload_none_maps_to_cpu_with_a_note():
 
 
 def test_ignored_and_notes_do_not_affect_equality():
-    with_report = _translate(_ds(steps_per_print=1))
+    with_report = _translate(_ds(memory_breakdown=True))
     assert with_report.ignored_keys and with_report == _translate(_ds())
 
 

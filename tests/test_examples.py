@@ -9,11 +9,18 @@ planner and fails when over --rss-budget. plain_pytorch_oom.py reports running o
 memory under its address-space limit cleanly (exit 3, the stage, the allocator's message)
 and trains when the limit allows. The Hugging Face example trains a Llama and a
 GPT-2 built from configs (skipped without transformers). The DeepSpeed user's script runs.
+
+The first hour: resuming with another --steps (another LR schedule) is refused with both
+values named; each example's bad --nvme-path ends in one line naming the path (the engine's
+check, no traceback, exit 2); every flag of every example has help; progress
+(examples/progress.py) is one line per --log-every steps off a terminal and a bar that cuts
+no field on one.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import re
@@ -51,8 +58,8 @@ def done(stdout: str) -> dict:
     return json.loads(line[len("done: "):])
 
 
-PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9.,]+) lr \S+ "
-                      r"mem device \S+MiB host \S+MiB (?:pinned \S+MiB )?nvme \S+MiB$", re.M)
+PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s ([0-9.,]+) "
+                      r"mem device \S+MiB host \S+MiB (?:pinned \S+MiB )?nvme \S+MiB lr \S+$", re.M)
 
 
 def test_train_gpt_trains_and_reports_progress():
@@ -87,14 +94,18 @@ def test_train_gpt_resume_continues_exactly(tmp_path):
     common = [*TINY, "--precision", "fp32", "--steps", "4"]
     straight = done(run("train_gpt.py", *common))
     ckpt = str(tmp_path / "ckpt")
-    run("train_gpt.py", *TINY, "--precision", "fp32", "--steps", "2", "--save-dir", ckpt,
-        "--save-every", "2")
+    # Interrupted after 2 of 4 steps: the schedule still spans --steps 4.
+    run("train_gpt.py", *common, "--stop-after", "2", "--save-dir", ckpt, "--save-every", "2")
     resumed_out = run("train_gpt.py", *common, "--save-dir", ckpt, "--resume")
     resumed = done(resumed_out)
     assert "resumed from" in resumed_out and resumed["start_step"] == 2
     # fp32 on the CPU, same batches (seeded by step), restored weights, moments, step counts
     # and schedule: the same arithmetic, so the same loss to the bit.
     assert resumed["final_loss"] == straight["final_loss"]
+    # Another --steps is another LR schedule: refused, naming both values.
+    other = _run_failing("train_gpt.py", *TINY, "--precision", "fp32", "--steps", "6",
+                         "--save-dir", ckpt, "--resume")
+    assert "--steps 4 (this run: 6)" in other, other
 
 
 def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path):
@@ -105,8 +116,8 @@ def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path
     out = run("train_gpt.py", *args, "--rss-budget", "4GiB")
     result = done(out)
     assert "GPT 0.12M parameters (2 layers, d_model 64" in out
-    assert re.search(r"^training state: .* \(18\.\d B/param\): host", out, re.M), out
-    assert re.search(r"NVMe I/O [0-9.]+ GB/step \((2\d|3\d)\.\d B/param", out), out
+    assert re.search(r"^training state per rank: .* \(18\.\d B/param\): host", out, re.M), out
+    assert re.search(r"NVMe I/O per rank [0-9.]+ GB/step \((2\d|3\d)\.\d B/param", out), out
     assert re.search(r"^peak RSS .*; planner: host .*; budget 4.00 GiB: within$", out, re.M), out
     assert result["planned"]["host"] == result["memory"]["host"]  # the planner's figure, exactly
     assert result["planned"]["nvme"] == result["memory"]["nvme"]
@@ -159,3 +170,123 @@ def test_deepspeed_user_script_runs():
               "--samples", "32")
     assert "train batch size 8 = micro 4 x accumulation 2 x world 1" in out
     assert re.search(r"^step 2 loss [0-9.]+ lr", out, re.M), out
+
+
+# -- the first hour: errors, help, progress ---------------------------------------------------
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def _run_failing(script: str, *args: str) -> str:
+    """Run an example that must fail at the door: exit 2, no traceback, and the last line of
+    stderr one `error: ...` line; returns that line."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 2, f"{script} exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), out.stderr
+    return last
+
+
+BAD_NVME = "/proc/offload-test"  # no directory can be created under /proc, even by root
+
+
+@pytest.mark.parametrize("script,args", [
+    ("train_gpt.py", (*TINY, "--param-tier", "nvme")),
+    pytest.param("hf_causal_lm.py", ("--param-tier", "nvme"), marks=pytest.mark.skipif(
+        not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'offload[hf]')")),
+    ("deepspeed_user.py", ()),
+])
+def test_bad_nvme_path_is_one_line_naming_the_path(script, args):
+    line = _run_failing(script, *args, "--nvme-path", BAD_NVME)
+    assert f"--nvme-path '{BAD_NVME}'" in line and "point --nvme-path at" in line, line
+
+
+def flags_without_help(help_text: str) -> list[str]:
+    """Options in argparse's --help output that have no help text: an option line with no
+    text after its invocation and no indented help line below it."""
+    lines = help_text.splitlines()
+    missing = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if m is None or m.group(2):
+            continue
+        below = lines[i + 1] if i + 1 < len(lines) else ""
+        if not re.match(r"^ {3,}[^ -]", below):
+            missing.append(m.group(1))
+    return missing
+
+
+def test_flags_without_help_sees_a_missing_help():
+    # Negative control: argparse's own output for a flag with help and one without.
+    import argparse
+
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--with-help", help="something")
+    p.add_argument("--without-help-and-a-long-name-here")
+    p.add_argument("--bare")
+    assert flags_without_help(p.format_help()) == ["--without-help-and-a-long-name-here "
+                                                   "WITHOUT_HELP_AND_A_LONG_NAME_HERE",
+                                                   "--bare BARE"]
+
+
+@pytest.mark.parametrize("script", [
+    "train_gpt.py",
+    pytest.param("hf_causal_lm.py", marks=pytest.mark.skipif(
+        not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'offload[hf]')")),
+    "deepspeed_user.py",
+    "plain_pytorch_oom.py",
+])
+def test_every_flag_has_help(script):
+    out = run(script, "--help", timeout_s=60)
+    assert out.count("\n  -") >= 5, out  # the option list was read
+    assert flags_without_help(out) == [], out
+
+
+def _progress(**kw):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        from progress import Progress  # examples/progress.py
+    finally:
+        sys.path.remove(EXAMPLES)
+    return Progress(**kw)
+
+
+FIELDS = ["loss 4.1234", "tok/s 12,345", "mem device 0.0MiB host 18.2MiB nvme 0.0MiB",
+          "lr 3.00e-04"]
+
+
+def test_progress_off_a_terminal_is_one_line_per_n_steps():
+    buf = io.StringIO()
+    progress = _progress(total=5, every=2, file=buf)
+    assert progress.bar is None  # StringIO is not a terminal
+    for step in range(1, 6):
+        progress.update(step, FIELDS)
+    progress.close()
+    assert buf.getvalue().splitlines() == [  # steps 2, 4 and the last; no carriage returns
+        f"step {n}/5 " + " ".join(FIELDS) for n in (2, 4, 5)]
+
+
+@pytest.mark.parametrize("ncols", [200, 60])
+def test_progress_bar_on_a_terminal_cuts_no_field(ncols):
+    buf = io.StringIO()
+    progress = _progress(total=3, every=3, file=buf, terminal=True, ncols=ncols)
+    for step in range(1, 4):
+        progress.update(step, FIELDS)
+    progress.close()
+    screens = [s for s in re.split(r"[\r\n]", buf.getvalue()) if s.strip()]
+    bars = [s for s in screens if "|" in s and "<" in s]
+    assert bars and all(len(s) <= ncols for s in bars), screens
+    final = bars[-1]
+    assert final.startswith("step 3/3 ")
+    shown = [f for f in FIELDS if f in final]
+    assert shown == FIELDS[:len(shown)] and shown, final  # whole fields, most important first
+    for f in FIELDS:  # no field appears cut: each token of it present or the field absent
+        assert f in final or f.split()[0] + " " not in final, final
+    if len(shown) < len(FIELDS):  # what did not fit came out in full above the bar
+        assert "step 3/3 " + " ".join(FIELDS) in screens, screens

@@ -18,7 +18,8 @@ Tolerances are measured as tests/parity.py measures them ([Note: derived toleran
 fp32 norms per step against a float64 run of the plain loop, the bound 8x the distance of
 three fp32 runs of it; bf16 norm sequences against the plain bf16 loop, the bound 3x the
 distance of the same loop with each batch split in 2 and 4. Negative control: the norms of
-the same loop on half of each batch land far outside.
+the same loop on half of each batch land far outside. The same norm check on a tiny Llama and
+GPT-2 from transformers configs: tests/test_grads_hf.py.
 """
 
 from __future__ import annotations
@@ -119,19 +120,22 @@ class NormBound:
     ulp of the norm). bf16: ||got - ref|| / ||ref|| over the steps <= 3 x the same distance
     of the loop with each batch split in 2 and in 4."""
 
-    def __init__(self, dtype: str, gas: int, clip: float) -> None:
+    def __init__(self, dtype: str, gas: int, clip: float,
+                 run: Optional[Callable[..., list[float]]] = None) -> None:
+        """`run(**overrides)`: the norms of the plain loop with tests/parity.py's `plain_loop`
+        overrides (master_dtype, fused, split); by default the GPT's (`plain_norms`)."""
         self.dtype, self.gas, self.clip = dtype, gas, clip
+        run = run or functools.partial(plain_norms, dtype, gas, clip)
         if dtype == "fp32":
-            self.ref = plain_norms(dtype, gas, clip, master_dtype=torch.float64)
-            refs = [plain_norms(dtype, gas, clip), plain_norms(dtype, gas, clip, fused=True),
-                    plain_norms(dtype, gas, clip, split=2)]
+            self.ref = run(master_dtype=torch.float64)
+            refs = [run(), run(fused=True), run(split=2)]
             self.bound = [
                 FP32_MULTIPLE * max(max(abs(r[i] - t) for r in refs), FP32_ULP * abs(t))
                 for i, t in enumerate(self.ref)
             ]
         else:
-            self.ref = plain_norms(dtype, gas, clip)
-            noise = max(_relative(plain_norms(dtype, gas, clip, split=s), self.ref) for s in (2, 4))
+            self.ref = run()
+            noise = max(_relative(run(split=s), self.ref) for s in (2, 4))
             self.bound = [LOWP_MULTIPLE * noise]
 
     def ratio(self, got: list[float]) -> float:

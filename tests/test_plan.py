@@ -371,3 +371,53 @@ def test_placement_auto_with_explicit_tiers_is_a_config_error():
         OffloadConfig(placement="auto", param_tier="nvme", nvme_path="/x")
     with pytest.raises(ConfigError, match="offload.placement"):
         OffloadConfig(placement="sometimes")
+
+
+# -- when nothing fits, and what the figures say (issue 22) ----------------------------------
+
+
+def test_nothing_fits_suggests_bf16_moments_with_its_figures():
+    # 70B on 8 x 80 GiB and 1 TiB without NVMe: fp32 moments fit nowhere; bf16 moments do.
+    m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="1TiB")
+    p = plan(70e9, machine=m, moments="fp32")
+    assert p.recommended is None
+    alt = plan(70e9, machine=m, moments="bf16")
+    assert alt.recommended is not None  # the control: the hint is true
+    hint = next(h for h in p.hints if h.startswith("bf16 Adam moments"))
+    assert f"params {alt.recommended.param_tier}, optimizer {alt.recommended.optimizer_tier} fits" in hint
+    assert "--moments bf16" in hint and "per node of" in hint
+    assert any(h.startswith("NVMe (") for h in p.hints)  # no disk given: the NVMe option too
+    text = str(p)
+    assert "no placement fits" in text and "try: bf16 Adam moments" in text
+    assert plan(70e9, machine=m, moments="bf16").hints == ()  # something fits: no hints
+    assert p.to_dict()["hints"] == list(p.hints)
+
+
+def test_over_the_limit_prints_digits_that_make_the_comparison_true():
+    assert plan_mod._over("host", int(1.019 * 2**40), 2**40) == "host 1.019 TiB > 1.000 TiB"
+    assert plan_mod._over("GPU", 3 * 2**30, 2 * 2**30) == "GPU 3.0 GiB > 2.0 GiB"
+    assert plan_mod._over("host", 2**40 + 1, 2**40) == "host 1,099,511,627,777 B > 1,099,511,627,776 B"
+    m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="1TiB", cpu_reserve=0)
+    for e in plan(70e9, machine=m).estimates:
+        for problem in e.problems:
+            if " > " in problem:
+                need, cap = problem.split(" ", 1)[1].split(" > ")
+                assert need != cap, problem
+
+
+def test_cli_gpu_mem_without_gpus_is_an_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        cli_mod.main(["--params", "7B", "--gpu-mem", "80GiB", "--cpu-mem", "64GiB"])
+    assert exc.value.code == 2
+    assert "--gpu-mem 80GiB needs --gpus N" in capsys.readouterr().err
+    assert cli_mod.main(["--params", "125M", "--gpus", "0", "--cpu-mem", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory" not in out.split("recommended:")[1]  # a CPU plan never claims GPU memory
+
+
+def test_plan_says_gradient_shards_are_fp32_beside_bytes_per_parameter():
+    text = str(plan(7e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="256GiB"), dtype="bf16"))
+    assert ("per trainable parameter: 2 B bf16 parameter + 4 B fp32 master + 8 B fp32 moments "
+            "+ 4 B gradient shard = 18 B") in text
+    assert "gradient shards are kept in fp32 (4 B" in text and "16 B per parameter" in text

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import uuid
 from typing import Any, Optional, Union
@@ -79,10 +80,23 @@ def consolidate(
     *,
     tag: Optional[str] = None,
     window: int = DEFAULT_WINDOW,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write the checkpoint's full weights as safetensors in `out_dir`; returns the files
-    written (the index last, when there is one). One process; no engine needed."""
+    written (the index last, when there is one). One process; no engine needed.
+
+    `out_dir` must be new or empty: an existing directory with anything in it is refused
+    (FileExistsError) unless `overwrite`, and then replaced whole, see [Note: replacing OUT]."""
     limit = parse_size(max_shard_size)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        entries = sorted(os.listdir(out_dir))
+        raise FileExistsError(
+            f"output directory {out_dir!r} exists and is not empty ({len(entries)} entries, e.g. "
+            f"{entries[0]!r}); pass --overwrite (consolidate(..., overwrite=True)) to replace it, "
+            "or name a new directory")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"output {out_dir!r} exists and is not a directory; name a directory")
     path = checkpoint_dir(ckpt, tag)
     saved = manifest.read(path)
     manifest.verify_files(path, saved)
@@ -114,6 +128,16 @@ def consolidate(
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     tied_groups = [keys for keys in tied.values() if len(keys) > 1]
 
+    # [Note: replacing OUT] A non-empty out_dir (only reached with overwrite) is not written
+    # into: old shards of another split would survive beside the new ones and the index
+    # would mix runs. The new files go to a sibling staging directory (same filesystem) and
+    # the two are swapped by renames at the end, so OUT is always either the old directory
+    # or the complete new one; a failure leaves the old one untouched.
+    final_dir = out_dir
+    tmp_tag = uuid.uuid4().hex[:12]
+    replacing = os.path.isdir(out_dir) and bool(os.listdir(out_dir))
+    if replacing:
+        out_dir = f"{final_dir}.consolidate-{tmp_tag}"
     os.makedirs(out_dir, exist_ok=True)
     where: dict[str, tuple[int, int]] = {}  # key -> (fd index, absolute byte offset)
     fds: list[int] = []
@@ -123,7 +147,6 @@ def consolidate(
     # disk) leaves no half-written file that loads as zeros, and never touches the files a
     # previous run left in out_dir.
     temps: list[str] = []
-    tmp_tag = uuid.uuid4().hex[:12]
     try:
         for fi, (name, items) in enumerate(zip(names, shards)):
             header: dict[str, Any] = {"__metadata__": {"format": "pt", "offload.tied": json.dumps(tied_groups)}}
@@ -165,6 +188,8 @@ def consolidate(
     except BaseException:
         for tmp in temps:
             _unlink_quietly(tmp)
+        if replacing:
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise
     finally:
         for fd in fds:
@@ -180,6 +205,13 @@ def consolidate(
         files.replace_file_durably(ipath, json.dumps(index, indent=2).encode())
         written.append(ipath)
     files.fsync_path(out_dir)
+    if replacing:
+        old = f"{final_dir}.old-{tmp_tag}"
+        os.rename(final_dir, old)
+        os.rename(out_dir, final_dir)
+        files.fsync_path(os.path.dirname(final_dir))
+        shutil.rmtree(old, ignore_errors=True)
+        written = [os.path.join(final_dir, os.path.basename(w)) for w in written]
     return written
 
 

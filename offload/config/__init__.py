@@ -14,16 +14,22 @@ from offload.config.sections import (
     SCHEDULER_PARAMS,
     AIOConfig,
     Config,
+    CSVMonitorConfig,
+    LoggingConfig,
+    MonitorsConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     PrefetchConfig,
     SchedulerConfig,
+    TensorBoardConfig,
     TimelineConfig,
+    WandbConfig,
 )
 
 __all__ = [
     "Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "PrecisionConfig",
-    "AIOConfig", "PrefetchConfig", "TimelineConfig", "ConfigError", "ConfigTypeError",
+    "AIOConfig", "PrefetchConfig", "TimelineConfig", "LoggingConfig", "MonitorsConfig",
+    "TensorBoardConfig", "WandbConfig", "CSVMonitorConfig", "ConfigError", "ConfigTypeError",
     "DeepSpeedConfigWarning", "load_config", "read_config_file", "SCHEDULER_PARAMS",
 ]

@@ -51,6 +51,8 @@ from offload.config.sections import (
     SCHEDULER_PARAMS,
     AIOConfig,
     Config,
+    LoggingConfig,
+    MonitorsConfig,
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -72,6 +74,10 @@ _BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "check_
               "bf16_master_weights_and_grads", "bf16_optimizer_states")
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
              "overlap_events", "use_gds")
+_MONITOR_KEYS = {"tensorboard": ("tensorboard", ("enabled", "output_path", "job_name")),
+                 "csv_monitor": ("csv", ("enabled", "output_path", "job_name")),
+                 "wandb": ("wandb", ("enabled", "group", "team", "project"))}
+"""DeepSpeed's monitor blocks (monitor/config.py) -> offload's monitors section and their keys."""
 _DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")
 _OTHER_DS_SCHEDULES = ("LRRangeTest", "OneCycle")
 _DS_FLOAT_DTYPES = {
@@ -134,12 +140,15 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     scheduler = _scheduler(t)
     _batch(t, _world_size_now() if world_size is None else world_size)
     _aio(t)
+    _logging(t)
     try:
         sections = {"offload": OffloadConfig(**t.sections["offload"]),
                     "optimizer": OptimizerConfig(**t.sections["optimizer"]),
                     "precision": PrecisionConfig(**t.sections["precision"]),
                     "aio": AIOConfig(**t.sections["aio"]),
-                    "prefetch": PrefetchConfig(**t.sections["prefetch"])}
+                    "prefetch": PrefetchConfig(**t.sections["prefetch"]),
+                    "logging": LoggingConfig(**t.sections["logging"]),
+                    "monitors": MonitorsConfig(**t.sections["monitors"])}
         config = Config(scheduler=scheduler, ignored_keys=tuple(sorted(t.ignored)),
                         notes=tuple(t.notes), **sections, **t.sections["top"])
     except ConfigError as e:
@@ -384,3 +393,21 @@ def _aio(t: Translation) -> None:
                       ("use_gds", "offload has no GPUDirect Storage path")):
         if name in aio:
             t.ignore(f"aio.{name}", why)
+
+
+def _logging(t: Translation) -> None:
+    """steps_per_print, wall_clock_breakdown and the monitor blocks -> logging, monitors.
+
+    A key left out keeps offload's default (steps_per_print 10 is DeepSpeed's too; output
+    paths 'runs', job name 'offload', W&B project 'offload'); an empty output_path, which
+    DeepSpeed resolves to its own default directory, keeps offload's."""
+    ds = t.ds
+    for key in ("steps_per_print", "wall_clock_breakdown"):
+        if ds.get(key) is not None:
+            t.set(f"logging.{key}", ds[key], key)
+    for ds_name, (ours, keys) in _MONITOR_KEYS.items():
+        block = read_section(ds_name, ds.get(ds_name), keys)
+        if block.get("output_path") == "":
+            del block["output_path"]
+        if block:
+            t.set(f"monitors.{ours}", block, ds_name)

@@ -70,6 +70,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gpu_mem = args.gpu_mem
         if gpus is None:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpu_mem is not None and not gpus:
+            # Planning for the CPU with a GPU size given would report GPU figures for a run
+            # that has none: say so rather than guess how many GPUs were meant.
+            raise ValueError(f"--gpu-mem {gpu_mem} needs --gpus N (N > 0): "
+                             + ("this machine has no GPU to count" if args.gpus is None
+                                else "--gpus 0 plans for the CPU, which has no GPU memory"))
         if gpus and gpu_mem is None:
             if not torch.cuda.is_available():
                 raise ValueError("--gpus > 0 needs --gpu-mem (no GPU on this machine to measure)")

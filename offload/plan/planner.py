@@ -39,7 +39,7 @@ from offload.plan.tier_bytes import (
     spec_from_model,
     working_bytes,
 )
-from offload.sizes import format_count, parse_count
+from offload.sizes import format_bytes, format_count, parse_count
 
 __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS"]
 
@@ -116,6 +116,8 @@ class Plan:
     """One per placement, fastest first."""
     recommended: Optional[PlacementEstimate]
     reason: str
+    hints: tuple[str, ...] = ()
+    """When nothing fits: the cheaper options that would fit, each with its figures."""
 
     def estimate(self, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
         for e in self.estimates:
@@ -143,6 +145,7 @@ class Plan:
             ],
             "recommended": None if self.recommended is None else self.recommended.name,
             "reason": self.reason,
+            "hints": list(self.hints),
         }
 
     def __str__(self) -> str:
@@ -158,6 +161,7 @@ class Plan:
             f"machine: {m.describe()}",
             f"reserved (not planned into): {gpu_reserve}host {format_size(m.cpu_reserve_bytes)} "
             f"per node{nvme_reserve}",
+            self._bytes_per_param_line(),
             "activations are the model's and are NOT modelled: the reserves must hold them "
             "(and the CUDA context); 'work' is the engine's gathered parameters and gradient "
             "buffers during forward/backward (estimate); 'pinned' is the NVMe staging budget; "
@@ -179,11 +183,25 @@ class Plan:
         lines.append("")
         if self.recommended is None:
             lines.append(f"no placement fits: {self.reason}")
+            lines.extend(f"try: {h}" for h in self.hints)
         else:
             lines.append(f"recommended: params {self.recommended.param_tier}, optimizer "
                          f"{self.recommended.optimizer_tier} -- {self.reason}")
             lines.append(f"config: {json.dumps(self.config_snippet())}")
         return "\n".join(lines)
+
+    def _bytes_per_param_line(self) -> str:
+        """The training state per trainable parameter, next to the usual "16 B per parameter"
+        (2 B bf16 params + 2 B bf16 grads + 12 B fp32 master and moments), which assumes
+        low-precision gradients: the engine reduces and keeps gradient shards in fp32."""
+        p, m = DTYPES[self.dtype].itemsize, MOMENT_DTYPES[self.moments].itemsize
+        total = p + 4 + 2 * m + 4
+        return (f"per trainable parameter: {p} B {self.dtype} parameter + 4 B fp32 master + "
+                f"{2 * m} B {self.moments} moments + 4 B gradient shard = {total} B, divided over "
+                f"{self.machine.world_size} rank(s); gradient shards are kept in fp32 (4 B, not "
+                f"the {p} B the usual '16 B per parameter' figure counts)"
+                + ("; an fp32 parameter shard in host memory with the optimizer there is the "
+                   "master itself (4 B less)" if p == 4 else ""))
 
 
 def plan(
@@ -265,8 +283,59 @@ def plan(
         last = estimates[-1] if estimates else None
         reason = ("even the smallest placement needs more than the machine has: "
                   + "; ".join(last.problems) if last else "no placements given")
+    if not on_gpu:  # a CPU run: the "device" tier is host memory, there is no GPU memory
+        reason = reason.replace("GPU memory", "device memory (host memory: compute is on the CPU)")
+    hints: tuple[str, ...] = ()
+    if best is None:
+        hints = _cheaper_options(model_or_params, machine, cfg, optimizer, dtype, moments, units,
+                                 placements, estimates)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
-                best, reason)
+                best, reason, hints)
+
+
+def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimizer: Any,
+                     dtype: str, moments: str, units: Optional[int],
+                     placements: Sequence[tuple[str, str]],
+                     estimates: list[PlacementEstimate]) -> tuple[str, ...]:
+    """What would fit when nothing does, cheapest change first, each with its figures:
+    bf16 Adam moments (4 B/param less), then NVMe when none was given."""
+    out = []
+    if moments == "fp32":
+        alt = plan(model_or_params, machine=machine, config=cfg, optimizer=optimizer, dtype=dtype,
+                   moments="bf16", units=units, placements=placements)
+        if alt.recommended is not None:
+            out.append(f"bf16 Adam moments (--moments bf16; config optimizer.moments_dtype='bf16'; "
+                       f"4 B/param less): params {alt.recommended.param_tier}, optimizer "
+                       f"{alt.recommended.optimizer_tier} fits, {_figures(alt.recommended, machine)}")
+    if machine.nvme_free_bytes is None:
+        for e in estimates:  # the fastest placement whose only problem is the missing disk
+            if e.problems and all(p.startswith("no NVMe") for p in e.problems):
+                out.append(f"NVMe (--nvme-free SIZE or --nvme-path DIR; config offload.nvme_path): "
+                           f"params {e.param_tier}, optimizer {e.optimizer_tier} fits with "
+                           f"{format_size(e.per_node.nvme)} of NVMe per node plus its reserve, "
+                           f"{_figures(e, machine)}")
+                break
+    return tuple(out)
+
+
+def _figures(e: PlacementEstimate, m: Machine) -> str:
+    host = e.per_node.host_total if m.gpus_per_node else (
+        e.per_node.host_total + e.per_node.device + e.working_device_bytes * m.local_ranks)
+    gpu = (f"GPU {format_size(e.per_rank.device + e.working_device_bytes)} per rank of "
+           f"{format_size((m.gpu_mem_bytes or 0) - m.gpu_reserve_bytes)}, " if m.gpus_per_node else "")
+    nvme = f", NVMe {format_size(e.per_node.nvme)} per node" if e.per_node.nvme else ""
+    return (f"{gpu}host {format_size(host)} per node of "
+            f"{format_size(m.cpu_mem_bytes - m.cpu_reserve_bytes)}{nvme}")
+
+
+def _over(tier: str, need: int, cap: int) -> str:
+    """'tier NEED > CAP', with as many digits as it takes for the two figures to differ:
+    one decimal usually, up to exact bytes ('host 1.0 TiB > 1.0 TiB' read false)."""
+    for digits in (1, 3, 6):
+        a, b = format_bytes(need, digits=digits), format_bytes(cap, digits=digits)
+        if a != b:
+            return f"{tier} {a} > {b}"
+    return f"{tier} {need:,} B > {cap:,} B"
 
 
 def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, ot: str) -> list[str]:
@@ -276,18 +345,18 @@ def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, 
             out.append("no NVMe (give --nvme-free / set offload.nvme_path)")
         elif node.nvme > m.nvme_free_bytes - m.nvme_reserve_bytes:
             nvme_cap = m.nvme_free_bytes - m.nvme_reserve_bytes
-            out.append(f"NVMe {format_size(node.nvme)} > {format_size(nvme_cap)}")
+            out.append(_over("NVMe", node.nvme, nvme_cap))
     if m.gpus_per_node:
         gpu_cap = (m.gpu_mem_bytes or 0) - m.gpu_reserve_bytes
         if rank.device + work > gpu_cap:
-            out.append(f"GPU {format_size(rank.device + work)} > {format_size(gpu_cap)}")
+            out.append(_over("GPU", rank.device + work, gpu_cap))
         host_need = node.host_total
     else:
         # A CPU run: device memory is host memory, and every local rank has a working set.
         host_need = node.host_total + node.device + work * m.local_ranks
     host_cap = m.cpu_mem_bytes - m.cpu_reserve_bytes
     if host_need > host_cap:
-        out.append(f"host {format_size(host_need)} > {format_size(host_cap)}")
+        out.append(_over("host", host_need, host_cap))
     return out
 
 

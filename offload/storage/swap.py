@@ -173,6 +173,23 @@ def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     os.unlink(probe)
 
 
+def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
+    """Create `path` (with its parents) if missing, then `check_swap_dir` it: for scripts
+    that take a swap directory on the command line. A directory that cannot be created is an
+    OSError naming `key`, the path and the fix, as `check_swap_dir`'s are."""
+    if path:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(
+                exc.errno,
+                f"{key} {path!r} cannot be created ({errno.errorcode.get(exc.errno, exc.errno)}: "
+                f"{exc.strerror}); point {key} at a directory on a local disk you can write",
+                path,
+            ) from exc
+    check_swap_dir(path, key)
+
+
 class SwapDirectory:
     """One rank's claim on `<nvme_path>/offload-swap/`: the lock, and the swap files in it.
 

@@ -35,7 +35,7 @@ is why callers treat every return value as "something to wait on" (`wait(handle)
 from __future__ import annotations
 
 import abc
-from typing import Any, Hashable, Iterable, Iterator, Optional
+from typing import Any, Hashable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -48,6 +48,31 @@ for CUDA copies), or an object with `.wait()` (the NVMe tier's I/O completions).
 def wait(handle: Handle) -> None:
     if handle is not None:
         handle.wait()
+
+
+class Fetch(Protocol):
+    """A shard fetched ahead of use, as `fetch_ahead` / `take_held` hand it out
+    (`offload.storage.nvme_tier.ReadAhead` is the one kind today)."""
+
+    label: str
+    """What the fetch is, for the timeline ('read')."""
+    fresh: bool
+    """A copy kept at a store (`keep_after_store`) rather than a read."""
+
+    def done(self) -> bool:
+        """Whether the bytes have landed (never blocks)."""
+
+    def live(self) -> bool:
+        """Whether the pool has not taken the buffer back ([Note: evictable leases])."""
+
+    def claim(self) -> bool:
+        """Take the buffer over (no longer revocable); False when it was taken back."""
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the bytes; the shard in host memory."""
+
+    def release(self) -> None:
+        """Give the buffer back (idempotent)."""
 
 
 class Tier(abc.ABC):
@@ -113,13 +138,13 @@ class Tier(abc.ABC):
 
     # -- what the schedule needs: fetch ahead, hold a copy, give buffers back --------------
 
-    def fetch_ahead(self, key: Hashable, block: bool = False) -> Optional["ReadAhead"]:
+    def fetch_ahead(self, key: Hashable, block: bool = False) -> Optional[Fetch]:
         """Start bringing shard `key` into a pooled host buffer; None when there is nothing
         to fetch ahead (here: the shard is gathered where it lives) or, with `block=False`,
         no buffer is free now (the caller fetches on demand later)."""
         return None
 
-    def take_held(self, key: Hashable) -> Optional["ReadAhead"]:
+    def take_held(self, key: Hashable) -> Optional[Fetch]:
         """The copy kept at `key`'s last store (`keep_after_store`), as a completed fetch the
         caller now owns, or None (none kept, or taken back by the pool)."""
         return None

@@ -1,0 +1,56 @@
+"""The examples' command line: one reading of sizes, and the engine's errors as one line.
+
+- `size_arg` is the argparse `type` of every size flag (`--pinned-budget 1GiB`,
+  `--rss-budget 4GiB`, `--pinned-budget 1200000000`): `offload.sizes.parse_bytes`, so every
+  flag takes the same forms (GB = 10**9 bytes, GiB = 2**30) and a bad one is argparse's
+  usage error with parse_bytes' message.
+- `engine_errors()` wraps what the engine checks at the door (config, swap directory,
+  `initialize`, `load_checkpoint`): a ValueError/TypeError/OSError/NotImplementedError raised
+  there already says what was wrong and the fix, so the script prints it as one line,
+  `error: ...`, and exits 2 (argparse's status for bad usage) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from offload.sizes import parse_bytes
+from offload.storage.swap import make_swap_dir
+
+__all__ = ["size_arg", "engine_errors", "one_line", "make_swap_dir", "EXIT_USAGE"]
+
+EXIT_USAGE = 2
+
+
+def size_arg(text: str) -> int:
+    """Bytes from '1GiB', '512MB', '1.2e9' or a plain number (argparse `type`)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+size_arg.__name__ = "size"  # argparse names the type in its message: "invalid size value"
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line: an OSError's own text without "[Errno N]"."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror
+        if exc.filename is not None and str(exc.filename) not in text:
+            text += f": {exc.filename}"
+    return " ".join(text.split())
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Run the engine's checks; their exceptions become `error: <message>` and exit 2."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
