@@ -483,6 +483,16 @@ class Engine:
         load_full_state_dict(self.sharded_state, state_dict, strict)
         self.gather.drop()  # shards fetched ahead (a GPU's side-stream copies) are stale
 
+    def save_pretrained(self, save_directory: str, dtype: Any = None, max_shard_size: Union[int, str] = "5GB",
+                        safe_serialization: bool = True) -> str:
+        """A directory Hugging Face's `from_pretrained` loads (config.json, safetensors, tied
+        weights once; `dtype` None: the config's); every rank calls it, rank 0 writes, unit by
+        unit. offload/checkpoint/pretrained.py."""
+        from offload.checkpoint.pretrained import save_pretrained
+
+        self._check_ready("engine.save_pretrained")
+        return save_pretrained(self.sharded_state, save_directory, dtype, max_shard_size, safe_serialization)
+
     # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
 
     def save_checkpoint(

@@ -1,4 +1,5 @@
-"""`python -m offload.checkpoint consolidate CKPT_DIR OUT [--max-shard-size 5GB] [--tag TAG] [--overwrite]`"""
+"""`python -m offload.checkpoint consolidate CKPT_DIR OUT [--max-shard-size 5GB] [--tag TAG] [--overwrite]
+    [--config-from HF_MODEL_DIR_OR_CONFIG_JSON]`"""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tag", default=None, help="the tag to consolidate when ckpt_dir is a save_dir")
     c.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty output directory (swapped in whole once complete)")
+    c.add_argument("--config-from", default=None, metavar="DIR_OR_JSON",
+                   help="a Hugging Face model directory (or its config.json): copy config.json and "
+                        "generation_config.json and store tied weights once, so that "
+                        "from_pretrained(OUT) loads the result")
     args = p.parse_args(argv)
     try:
         out = consolidate(args.ckpt_dir, args.out, args.max_shard_size, tag=args.tag,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, config_from=args.config_from)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -132,6 +132,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     """
     if not isinstance(ds, Mapping):
         raise type_error("config", ds, "a mapping (a DeepSpeed config dict)")
+    _reject_auto(ds)
     t = Translation(ds)
     _top_level(t)
     elem_bytes = _precision(t)
@@ -163,6 +164,34 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
             text += "\nNotes (Config.notes):\n" + "\n".join(f"  {note}" for note in t.notes)
         warnings.warn(text, DeepSpeedConfigWarning, stacklevel=_caller_stacklevel())
     return config
+
+
+_DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")
+"""Where "auto" is DeepSpeed's own value, not the Hugging Face placeholder."""
+
+
+def _auto_keys(value: Any, path: str = "") -> list[str]:
+    """The paths of every "auto" in a config, in order."""
+    if isinstance(value, str) and value == "auto":
+        return [] if path.startswith(_DS_OWN_AUTO) or path in _DS_OWN_AUTO else [path]
+    if isinstance(value, Mapping):
+        return [k for key, sub in value.items() for k in _auto_keys(sub, f"{path}.{key}" if path else str(key))]
+    if isinstance(value, list):
+        return [k for i, sub in enumerate(value) for k in _auto_keys(sub, f"{path}[{i}]")]
+    return []
+
+
+def _reject_auto(ds: Mapping[str, Any]) -> None:
+    """Hugging Face's "auto" placeholders, all reported in one error: they are filled from
+    the TrainingArguments (offload.integrations.hf.resolve_auto), not by the translation."""
+    keys = _auto_keys(ds)
+    if keys:
+        others = f" (and so are {', '.join(keys[1:])})" if len(keys) > 1 else ""
+        raise ConfigError(keys[0], f"= 'auto'{others}: the Hugging Face Trainer's placeholder, which "
+                          "offload does not resolve by itself",
+                          "fill them from your TrainingArguments with offload.integrations.hf."
+                          "resolve_auto(config, training_args, num_training_steps=..., model=...) "
+                          "(it fills the keys the Trainer fills), or replace each with a concrete value")
 
 
 def _top_level(t: Translation) -> None:
