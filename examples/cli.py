@@ -20,7 +20,7 @@ from typing import Iterator
 from offload.sizes import parse_bytes
 from offload.storage.swap import make_swap_dir
 
-__all__ = ["size_arg", "engine_errors", "one_line", "make_swap_dir", "EXIT_USAGE"]
+__all__ = ["size_arg", "add_tier_flags", "engine_errors", "one_line", "make_swap_dir", "EXIT_USAGE"]
 
 EXIT_USAGE = 2
 
@@ -34,6 +34,22 @@ def size_arg(text: str) -> int:
 
 
 size_arg.__name__ = "size"  # argparse names the type in its message: "invalid size value"
+
+
+def add_tier_flags(group: "argparse._ActionsContainer", placement: bool = False) -> None:
+    """The flags every example shares for where training state lives: --param-tier,
+    --optimizer-tier (--placement with `placement`), --nvme-path, --pinned-budget."""
+    group.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu",
+                       help="where each rank's parameter shard lives")
+    group.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu",
+                       help="where the fp32 master and Adam moments live")
+    if placement:
+        group.add_argument("--placement", choices=["manual", "auto"], default="manual",
+                           help="auto: the memory planner picks the tiers for this machine")
+    group.add_argument("--nvme-path", default=None,
+                       help="directory for swap files (nvme tiers); created if missing")
+    group.add_argument("--pinned-budget", type=size_arg, default="1GiB",
+                       help="pinned staging budget (nvme tiers), e.g. 1GiB, 512MB or bytes")
 
 
 def one_line(exc: BaseException) -> str:

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - running from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import offload
 
-from cli import engine_errors, make_swap_dir, size_arg  # examples/cli.py
+from cli import add_tier_flags, engine_errors, make_swap_dir  # examples/cli.py
 from progress import Progress  # examples/progress.py
 
 
@@ -61,14 +61,7 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="training precision (bf16 is for GPUs: slower than fp32 on most CPUs)")
-    p.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu",
-                   help="where each rank's parameter shard lives")
-    p.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu",
-                   help="where the fp32 master and Adam moments live")
-    p.add_argument("--nvme-path", default=None,
-                   help="directory for swap files (nvme tiers); created if missing")
-    p.add_argument("--pinned-budget", type=size_arg, default="1GiB",
-                   help="pinned staging budget (nvme tiers), e.g. 1GiB, 512MB or bytes")
+    add_tier_flags(p)
     p.add_argument("--log-every", type=int, default=1,
                    help="steps between progress lines when stdout is not a terminal")
     args = p.parse_args(argv)

@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on how the example is launched
 from offload.models.gpt import GPT, GPT_PRESETS
 from offload.sizes import GiB, format_bytes
 
-from cli import engine_errors, make_swap_dir, size_arg  # examples/cli.py
+from cli import add_tier_flags, engine_errors, make_swap_dir, size_arg  # examples/cli.py
 from progress import Progress  # examples/progress.py
 
 
@@ -170,16 +170,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     t.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     t.add_argument("--data", default=None, help="a text file to train on (bytes; sets --vocab 256)")
     o = p.add_argument_group("tiers")
-    o.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu",
-                   help="where each rank's parameter shard lives")
-    o.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu",
-                   help="where the fp32 master and Adam moments live")
-    o.add_argument("--placement", choices=["manual", "auto"], default="manual",
-                   help="auto: the memory planner picks the tiers for this machine")
-    o.add_argument("--nvme-path", default=None,
-                   help="directory for swap files (nvme tiers); created if missing")
-    o.add_argument("--pinned-budget", type=size_arg, default="1GiB",
-                   help="pinned staging budget (nvme tiers), e.g. 1GiB or 1.2GB or bytes")
+    add_tier_flags(o, placement=True)
     o.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="compute device (auto: cuda when available)")
     c = p.add_argument_group("checkpoints and output")
