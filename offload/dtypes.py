@@ -2,14 +2,14 @@
 
 Config names ('fp32', 'bf16', 'fp16') map to torch dtypes through `DTYPES`; checkpoint
 manifests store torch's own names ('float32', 'bfloat16', ...) and read them back through
-`from_name`; `itemsize` is the bytes per element without allocating.
+`from_name`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "MOMENT_DTYPES", "from_config", "from_name", "name_of", "itemsize"]
+__all__ = ["DTYPES", "MOMENT_DTYPES", "from_name", "name_of"]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Compute dtypes by config name (`precision.dtype`)."""
@@ -24,13 +24,6 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 
 
-def from_config(name: str, table: dict[str, torch.dtype] = DTYPES) -> torch.dtype:
-    try:
-        return table[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(table)}") from None
-
-
 def name_of(dtype: torch.dtype) -> str:
     """torch's name of `dtype` without the 'torch.' prefix ('bfloat16')."""
     return str(dtype).removeprefix("torch.")
@@ -43,6 +36,3 @@ def from_name(name: str) -> torch.dtype:
     except KeyError:
         raise ValueError(f"unknown dtype name {name!r}; known: {', '.join(_BY_NAME)}") from None
 
-
-def itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize

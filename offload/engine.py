@@ -295,8 +295,8 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self._check_ready("engine.backward")
+        bad = self.policy.nonfinite_loss(loss)  # reads the loss (a device sync) unless off
         self.reporter.observe_loss(loss)  # a float only for a step that will be reported
-        bad = self.policy.nonfinite_loss(loss)
         if bad is not None:
             self._abort_backward()  # the forward's gathered units and pending reduces go
             self.policy.skip_for_loss(bad)  # raises with nonfinite_loss='raise'
@@ -569,8 +569,7 @@ class Engine:
             # Every rank leaves together: gloo aborts a process whose peer tears its
             # connections down while it is still tearing down its own. The barrier's work
             # holds the works before it: settle again before the group goes.
-            barrier = torch.zeros(1)
-            _dist.all_reduce_sum_(barrier, self.pg)
+            _dist.all_reduce_host(torch.zeros(1), "sum", self.pg, self.device)  # NCCL: on the GPU
             _dist.settle_collectives()
             dist.destroy_process_group()
 

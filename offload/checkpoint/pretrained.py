@@ -136,7 +136,7 @@ def save_pretrained(
     signature = manifest.model_signature(sharded)
     slots = {(u["index"], si): s for u in signature["units"] for si, s in enumerate(u["slots"])}
     kept = kept_keys(sharded.module, full_weights.param_keys(signature))
-    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    itemsize = out_dtype.itemsize
     plan, buffers, n_params = [], {}, 0
     for entry in sharded.state_dict_index:
         if entry.location is Location.PARAM and entry.key in kept:

@@ -104,7 +104,7 @@ def _world_size_now() -> int:
 def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that points at the first frame outside this package (the
     user's call to initialize / load_config), however deep inside we are."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # offload/
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

@@ -46,7 +46,7 @@ def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     (`host_state_bytes`)."""
     from offload.storage.io import aligned_empty
 
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HOST_STATE_ALIGN_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
     return aligned_empty(nbytes, dtype, pin=False).zero_()
@@ -146,6 +146,12 @@ class ShardedAdam(torch.optim.Optimizer):
         self._adam_fn = adam_fn
         self._threads = int(threads)
         self._staging: Optional[torch.Tensor] = None
+        self._work = [
+            i for i, st in enumerate(self.unit_states)
+            if st.optimized_numel or _any_optimized(st.layout)
+        ]
+        """Units with something to optimize, in order (fixed by the layout)."""
+        self._work_set = frozenset(self._work)
 
     def _adam(self) -> Callable[..., None]:
         if self._adam_fn is not None:
@@ -172,7 +178,7 @@ class ShardedAdam(torch.optim.Optimizer):
             self.store.cancel_prefetch()
             return
         adam = self._adam()
-        work = [i for i in self._work() if i not in skip]
+        work = [i for i in self._work if i not in skip]
         for i, t in self.store.stream(work, self._scratch_bytes):
             self._update(self.unit_states[i], t, adam, grad_scale)
 
@@ -181,7 +187,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """Update one unit now (its gradient shard is final): the optimizer-in-backward path.
         Its state comes from a read started by `prefetch_units` when there is one. Returns
         False when the unit has nothing to optimize."""
-        if index not in set(self._work()):
+        if index not in self._work_set:
             return False
         t = self.store.checkout(index, self._scratch_bytes(index))
         try:
@@ -197,8 +203,8 @@ class ShardedAdam(torch.optim.Optimizer):
         nothing (and at no cost) when the state is in host memory."""
         if self.store.resident:
             return
-        work = set(self._work())
-        self.store.prefetch([i for i in indices if i in work], self._scratch_bytes, limit=len(indices))
+        self.store.prefetch([i for i in indices if i in self._work_set], self._scratch_bytes,
+                            limit=len(indices))
 
     def _update(self, st: UnitOptimizerState, t: UnitTensors, adam: Any, grad_scale: float) -> None:
         active = [
@@ -238,13 +244,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def prefetch(self, skip: Any = ()) -> None:
         """Start reading the first units' state for the coming `step` (NVMe; a no-op in
         memory). The engine calls it before the overflow check and gradient norm."""
-        self.store.prefetch([i for i in self._work() if i not in skip], self._scratch_bytes)
-
-    def _work(self) -> list[int]:
-        return [
-            i for i, st in enumerate(self.unit_states)
-            if st.optimized_numel or _any_optimized(st.layout)
-        ]
+        self.store.prefetch([i for i in self._work if i not in skip], self._scratch_bytes)
 
     def _scratch_bytes(self, index: int) -> int:
         """Pooled bytes the step needs beside unit `index`'s state: its new low-precision
@@ -399,7 +399,7 @@ class ShardedAdam(torch.optim.Optimizer):
         what Hugging Face Accelerate does with DeepSpeed (its optimizer wrapper's
         `zero_grad` is a no-op) and with accumulation (it zeroes only at a step). To discard
         gradients on purpose call `engine.zero_grad()`."""
-        if not any(st.grad_valid for st in self.unit_states) or self._warned_zero_grad:
+        if self._warned_zero_grad or not any(st.grad_valid for st in self.unit_states):
             return
         self._warned_zero_grad = True
         warnings.warn(

@@ -374,14 +374,12 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: Any,
     `MemoryError` with the figures when nothing fits."""
     machine = machine_from_system(config, device, pg.world_size)
     if pg.world_size > 1:
-        import offload.units.collectives as _dist
+        from offload.units.collectives import all_reduce_host
 
         values = [machine.gpu_mem_bytes or 0, machine.cpu_mem_bytes,
                   -1 if machine.nvme_free_bytes is None else machine.nvme_free_bytes]
-        t = torch.tensor([-float(v) for v in values], dtype=torch.float64,
-                         device=_dist.collective_device(pg, device))
-        _dist.all_reduce_max_(t, pg)
-        gpu, cpu, nvme = (int(-v) for v in t.cpu().tolist())
+        t = torch.tensor([-float(v) for v in values], dtype=torch.float64)
+        gpu, cpu, nvme = (int(-v) for v in all_reduce_host(t, "max", pg, device).tolist())
         machine = make_machine(gpus=machine.gpus_per_node, gpu_mem=gpu or None, cpu_mem=cpu,
                                nvme_free=None if nvme < 0 else nvme, world_size=pg.world_size,
                                ranks_per_node=machine.local_ranks)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from torch import nn
 
 from offload.config import Config
+from offload.dtypes import DTYPES
 from offload.optim.sharded import host_state_bytes, resolve_param_groups
 from offload.sizes import align_up
 from offload.units.partition import plan_units
@@ -45,7 +46,8 @@ class ModelSpec:
     units: tuple[UnitSpec, ...]
     """Index 0 is the root unit, as in the engine."""
     buffer_bytes: int
-    """Module buffers, whole on every rank's compute device, floating ones in compute dtype."""
+    """Module buffers, whole on every rank's compute device, in the dtype
+    `precision.buffer_dtype` gives them (their own by default)."""
     params: int
     trainable_params: int
 
@@ -67,13 +69,14 @@ def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size
             trainable += p.numel() if g != FROZEN_GROUP else 0
         layout = layout_unit(entries, world_size)
         units.append(UnitSpec(layout, any(rec.param.requires_grad for rec in plan_.params)))
-    seen: set[int] = set()
+    rule = config.precision.buffer_dtype  # as offload.runtime.buffers places them
     buffer_bytes = 0
-    for b in model.buffers():
-        if id(b) in seen:
-            continue
-        seen.add(id(b))
-        buffer_bytes += b.numel() * (p_bytes if b.is_floating_point() else b.element_size())
+    for b in model.buffers():  # each once: torch's iterator removes duplicates
+        if not b.is_floating_point() or rule == "keep":
+            size = b.element_size()
+        else:
+            size = p_bytes if rule == "compute" else DTYPES[rule].itemsize
+        buffer_bytes += b.numel() * size
     return ModelSpec(tuple(units), buffer_bytes, params, trainable)
 
 

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
-from offload.dtypes import itemsize
 from offload.optim.sharded import (
     UnitOptimizerState,
     host_state_zeros,
@@ -179,13 +178,13 @@ def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: t
     check_swap_dir(off.nvme_path)
     param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
     for plan, layout, _ in planned:
-        shard = align_up(layout.shard_numel * itemsize(dtype)) if off.param_tier == "nvme" else 0
+        shard = align_up(layout.shard_numel * dtype.itemsize) if off.param_tier == "nvme" else 0
         state = 0
         if shard:
             param_sizes.append(shard)
         if off.optimizer_tier == "nvme":
             state = state_layout(
-                layout.shard_numel, layout.shard_optimized_numel(pg.rank), itemsize(mdtype)
+                layout.shard_numel, layout.shard_optimized_numel(pg.rank), mdtype.itemsize
             ).nbytes
             optim_sizes.append(state)
         # One unit's pinned working set (docs/nvme.md): during the step its state and its

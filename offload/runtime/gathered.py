@@ -384,6 +384,22 @@ class Gathering:
         if frame is not None:
             self._release(frame.units, frame.ours, Hold.READ)
 
+    def _held_or_unwind(self, kind: str, units: tuple[int, ...], hold: Hold) -> Any:
+        """`_hold` for a state-dict traversal's module; when it raises (an allocation, an I/O
+        error), the traversal ends with the error and its post-hooks never run: release what
+        the frames of `kind` still hold (and forget values a load collected) first."""
+        try:
+            return self._hold(units, hold)
+        except BaseException:
+            stack = self._frames[kind]
+            while stack:
+                frame = stack.pop()
+                if frame.units:
+                    self._release(frame.units, frame.ours, hold)
+            if kind == "load":
+                self._loads.clear()
+            raise
+
     def _pop(self, kind: str, module: nn.Module) -> Optional[_Frame]:
         stack = self._frames[kind]
         if stack and stack[-1].module is module:
@@ -397,7 +413,7 @@ class Gathering:
         frame = _Frame(module)
         if not keep_vars:  # keep_vars=True asks for the live parameters: the views themselves
             frame.units = units
-            frame.ours = self._hold(units, Hold.READ)
+            frame.ours = self._held_or_unwind("state_dict", units, Hold.READ)
         self._frames["state_dict"].append(frame)
 
     def _state_dict_post(self, units: tuple[int, ...], module: nn.Module, state_dict: Any,
@@ -431,7 +447,7 @@ class Gathering:
             )
         if not self._frames["load"]:
             self._between_steps(f"{self._names.get(id(module), 'module')}.load_state_dict")
-        frame = _Frame(module, units, self._hold(units, Hold.LOAD))
+        frame = _Frame(module, units, self._held_or_unwind("load", units, Hold.LOAD))
         self._frames["load"].append(frame)
         for name, p in module._parameters.items():
             where = None if p is None else self.slot_of.get(id(p))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import logging
 import os
 from typing import Any, Mapping, Optional
 
@@ -105,7 +106,11 @@ class CSVMonitor(Monitor):
         os.makedirs(directory, exist_ok=True)
         self.path = self.where = os.path.join(directory, "metrics.csv")
         self._columns: Optional[list[str]] = None
-        self._file = open(self.path, "w", newline="", encoding="utf-8")
+        if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            # A resumed run appends under the header already there (as DeepSpeed's does).
+            with open(self.path, newline="", encoding="utf-8") as f:
+                self._columns = next(csv.reader(f), None)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._columns is None:
@@ -120,15 +125,18 @@ class CSVMonitor(Monitor):
 
 
 def open_monitors(monitors: Any) -> list[Monitor]:
-    """The enabled monitors, opened (rank 0 calls this; `check_monitors` ran first)."""
+    """The enabled monitors, opened (rank 0 calls this; `check_monitors` ran first on every
+    rank). One that cannot open (a directory it cannot write, W&B refusing) is left out
+    with a warning, as a monitor failing mid-run is: raising here on rank 0 alone would
+    leave the other ranks waiting in the first forward's collectives."""
     out: list[Monitor] = []
-    try:
-        for block, cls in (("tensorboard", TensorBoardMonitor), ("wandb", WandbMonitor),
-                           ("csv", CSVMonitor)):
-            if getattr(monitors, block).enabled:
+    for block, cls in (("tensorboard", TensorBoardMonitor), ("wandb", WandbMonitor),
+                       ("csv", CSVMonitor)):
+        if getattr(monitors, block).enabled:
+            try:
                 out.append(cls(getattr(monitors, block)))
-    except BaseException:
-        for monitor in out:
-            monitor.close()
-        raise
+            except Exception as exc:  # noqa: BLE001 - named in the warning; training goes on
+                logging.getLogger("offload.monitors").warning(
+                    "the %s monitor could not be opened (%s: %s); it writes nothing this run",
+                    block, type(exc).__name__, exc)
     return out

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from offload.runtime.build import release_storage
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import StepCounters
@@ -179,8 +180,6 @@ class StepPolicy:
         self.updated.add(unit.index)
         self.pass_updates += 1
         if self.transient_grads:
-            from offload.runtime.build import release_storage
-
             release_storage(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
         tl.count("optimizer", t1 - t0)
         tl.count("optimizer_in_backward", t1 - t0)
@@ -225,9 +224,10 @@ class StepPolicy:
             # reported every step ([Note: the norm of every step]); used below if clipping
             total = self._norm if self._norm is not None else self._grad_norm(unscale)
             self.counters.last_grad_norm = total
-        if not overflow and clip > 0.0:
-            if not math.isfinite(total) and self.config.nonfinite_loss != "off":
-                # a finite loss with non-finite gradients (bf16/fp32): the same guard
+        # A finite loss with non-finite gradients (bf16/fp32): the same guard, whenever no
+        # unit was updated during backward yet (then the step is still whole to skip).
+        if not overflow and not skip and self.config.nonfinite_loss != "off":
+            if not math.isfinite(total):
                 if self.config.nonfinite_loss == "raise":
                     nonfinite = FloatingPointError(
                         f"the gradient norm of optimizer step {self.step_index} is {total}: the "
@@ -238,6 +238,7 @@ class StepPolicy:
                     logger.warning("optimizer step %d skipped: the gradient norm is %s "
                                    "(nonfinite_loss='skip')", self.step_index, total)
                 overflow = True
+        if not overflow and clip > 0.0:
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
             grad_scale = unscale * min(1.0, clip / (total + 1e-6))
         if overflow:
@@ -318,6 +319,8 @@ class StepPolicy:
         self._sum_sq = {}
         self._norm = None
         self.clip_request = None
+        self.pass_updates = 0
+        self._hyper_at_backward = None
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -151,11 +151,12 @@ class StepReporter:
         if not (log_due or monitor_due):
             return
         loss = sum(losses) / len(losses) if losses else None
+        memory = memory_bytes(self.state)  # once, for the log and the monitors
         if log_due:
-            self.last = self._record(n, loss, log_means or {})
+            self.last = self._record(n, loss, log_means or {}, memory)
             logger.info(self._line(self.last), extra={"step_report": self.last})
         if monitor_due:
-            record = self._record(n, loss, self._monitor_window.take())
+            record = self._record(n, loss, self._monitor_window.take(), memory)
             self.last = self.last if log_due else record
             self._write_monitors(n, _scalars(record, self.cfg.wall_clock_breakdown))
 
@@ -187,7 +188,8 @@ class StepReporter:
 
     # -- what ---------------------------------------------------------------------------------
 
-    def _record(self, n: int, loss: Optional[float], means: dict[str, float]) -> dict[str, Any]:
+    def _record(self, n: int, loss: Optional[float], means: dict[str, float],
+                memory: dict[str, int]) -> dict[str, Any]:
         s = self.state
         lrs = [float(g["lr"]) for g in s.optimizer.param_groups]
         step_s = means.get("step_s")
@@ -199,7 +201,7 @@ class StepReporter:
             "loss_scale": float(s.scaler.scale), "step_time_s": step_s,
             "tokens_per_s": (tokens * s.world_size / step_s) if tokens and step_s else None,
             "stall_fraction": means.get("stall_fraction", 0.0),
-            "memory": memory_bytes(s),
+            "memory": memory,
         }
         for key in ("fetch_wait_s", "collective_s", "optimizer_s", "optimizer_io_s",
                     "optimizer_in_backward_s", "optimizer_in_backward_units"):

@@ -14,7 +14,11 @@ iteration is *off trace*: no more prefetching or keeping in it (everything is fe
 demand, exactly as with prefetch off), and at its end the recorded order becomes the trace
 (a re-trace). Prefetching only ever reads a unit's own shard into a private buffer, which the
 unit's gather consumes or which is dropped, so a wrong guess costs bandwidth, never
-correctness: no collective is issued ahead, so ranks cannot disagree on what they gather.
+correctness. The one collective issued ahead is the all-gather of `next_unit()` (world size
+> 1, `offload.runtime.gather`): it relies on every rank following the same trace to the same
+positions in the same order, which ZeRO-3 needs anyway (on-demand gathers in different
+orders would mix shards), so every rank also leaves the trace at the same use
+(docs/prefetch.md).
 
 Traces are kept per kind of iteration (grad mode and train/eval), so an eval loop between
 training steps does not throw the training trace away.

@@ -238,8 +238,7 @@ class Staging:
             if buf is not None:
                 return buf
             if not self._inflight:
-                if self._leases:
-                    self.revoke_leases()
+                if self.revoke_leases():
                     continue
                 raise RuntimeError(
                     f"the pinned staging budget offload.pinned_budget_bytes={self.pool.budget_bytes} "

@@ -59,7 +59,7 @@ class NVMeTier(Tier):
                 raise KeyError(f"shard {key!r} is listed twice for the NVMe tier")
             self._index[key] = i
             self._spec.append((int(numel), dtype))
-            sizes.append(int(numel) * _itemsize(dtype))
+            sizes.append(int(numel) * dtype.itemsize)
         self._swap = context.directory.create(name, sizes)
         self._last_write: list[Optional[Pending]] = [None] * len(sizes)
         self._keep: frozenset[Hashable] = frozenset()
@@ -209,9 +209,6 @@ class NVMeTier(Tier):
             self._hold_copy(key, i, src)
         return handle
 
-    def slot_bytes(self, key: Hashable) -> int:
-        return self._swap.slots[self._slot(key)].nbytes
-
     def _hold_copy(self, key: Hashable, i: int, src: torch.Tensor) -> None:
         """Keep a leased copy of `src` (the bytes just stored under `key`) when the pool has
         a free buffer: the next iteration's first units are taken from it instead of
@@ -238,7 +235,7 @@ class NVMeTier(Tier):
 
     def _local(self, i: int, buf: torch.Tensor) -> torch.Tensor:
         numel, dtype = self._spec[i]
-        return buf[: numel * _itemsize(dtype)].view(dtype)
+        return buf[: numel * dtype.itemsize].view(dtype)
 
     def free(self, key: Hashable) -> None:
         i = self._slot(key)
@@ -251,11 +248,6 @@ class NVMeTier(Tier):
 
     def settle(self) -> None:
         settle_writes(self._last_write)
-
-    def flush(self) -> None:
-        """Wait for every write of this tier (raises the first failure)."""
-        for i in range(len(self._last_write)):
-            self._wait_write(i)
 
     def bytes_allocated(self) -> int:
         """Bytes of the swap file (every slot, page-rounded), on disk."""
@@ -357,10 +349,6 @@ class ReadAhead:
             wait_quietly([self.pending])  # the buffer is the read's target until it lands
             release, self._release = self._release, None
             release()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _direct_ok(t: torch.Tensor) -> bool:

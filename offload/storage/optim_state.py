@@ -205,16 +205,12 @@ class HostOptimizerStates:
     def bytes_on_disk(self) -> int:
         return 0
 
-    def host_tensors(self) -> Iterator[torch.Tensor]:
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each state tensor with its accounting bucket: all 'host'."""
         for st in self._states:
             for t in (st.master, st.exp_avg, st.exp_avg_sq):
                 if t is not None:
-                    yield t
-
-    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each state tensor with its accounting bucket: all 'host'."""
-        for t in self.host_tensors():
-            yield "host", t
+                    yield "host", t
 
 
 class _SourceRead:
@@ -262,7 +258,7 @@ class NVMeOptimizerStates:
     ) -> None:
         self._ctx = context
         self.moment_dtype = moment_dtype
-        itemsize = torch.empty((), dtype=moment_dtype).element_size()
+        itemsize = moment_dtype.itemsize
         self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
         self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
@@ -279,9 +275,6 @@ class NVMeOptimizerStates:
 
     def bytes_on_disk(self) -> int:
         return self._swap.total_bytes
-
-    def host_tensors(self) -> Iterator[torch.Tensor]:
-        return iter(())
 
     def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """None: the state is on disk (its staging buffers count as 'pinned')."""

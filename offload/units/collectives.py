@@ -177,7 +177,8 @@ def broadcast_(t: torch.Tensor, src: int, pg: ProcessGroupInfo) -> torch.Tensor:
     """t = rank `src`'s t, on every rank (`src` is a rank of the group). Used outside
     training only (`engine.gathered(..., modifier_rank=src)` writing back a rank's edits)."""
     if pg.world_size > 1:
-        dist.broadcast(_fresh(t), group_src=src, group=pg.group)
+        root = src if pg.group is None else dist.get_global_rank(pg.group, src)
+        dist.broadcast(_fresh(t), src=root, group=pg.group)  # group_src needs torch >= 2.6
     return t
 
 

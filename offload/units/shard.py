@@ -31,6 +31,9 @@ from offload.sizes import align_up
 from offload.storage.tiers import Tier, wait
 from offload.units.parameter import UnitParameter
 
+_GRAD_OF = torch._C.TensorBase.grad.__get__
+"""torch's `.grad` getter, without a subclass's property in between."""
+
 PARAM_ALIGN_ELEMS = 16
 """Each parameter starts at a multiple of 16 elements: 64-byte (cache line / AVX-512)
 aligned views in fp32, 32-byte in bf16."""
@@ -364,8 +367,7 @@ class FlatUnit:
         if shard is not None and shard.data_ptr() == master.data_ptr():
             return  # fp32 on the CPU: the shard is the master
         wait(self.tier.store(self.key, master.to(self.dtype)))
-        if not self.aliased and self.state is UnitState.GATHERED:
-            self.free()
+        self.free()  # a gathered (or gathering) copy is stale; held or aliased units stay
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -377,15 +379,17 @@ class FlatUnit:
         completes it; every rank must take part. `GradReduce.have[i]`: slot i had a local
         gradient."""
         params = self.params
-        have = [p.grad is not None for p in params]
+        # torch's own getter: per parameter per micro-batch, past UnitParameter's check.
+        grads = [_GRAD_OF(p) for p in params]
+        have = [g is not None for g in grads]
         if self.pg.world_size == 1 and grad_shard.device == self.device:
             # One pass per gradient straight into the shard (compute on the CPU): copy on a
             # step's first micro-batch, add on later ones. Alignment gaps are never written
             # and stay zero from allocation.
-            for p, s, h in zip(params, self.layout.slots, have):
+            for p, s, g in zip(params, self.layout.slots, grads):
                 dst = grad_shard[s.offset : s.end]
-                if h:
-                    src = p.grad.reshape(-1)
+                if g is not None:
+                    src = g.reshape(-1)
                     dst.add_(src) if accumulate else dst.copy_(src)
                     p.grad = None
                 elif not accumulate:
@@ -394,9 +398,9 @@ class FlatUnit:
         # Gradients are reduced in fp32 whatever the compute dtype: averaging bf16 partial
         # sums across ranks would round each one to 8 bits of mantissa.
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
-        for p, s, h in zip(params, self.layout.slots, have):
-            if h:
-                flat[s.offset : s.end].copy_(p.grad.reshape(-1))
+        for p, s, g in zip(params, self.layout.slots, grads):
+            if g is not None:
+                flat[s.offset : s.end].copy_(g.reshape(-1))
                 p.grad = None
         direct = not accumulate and grad_shard.device == self._coll_device
         out = grad_shard if direct else torch.empty(
