@@ -321,6 +321,11 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.policy.is_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Whether the coming micro-batch ends an accumulation window (DeepSpeed's method):
+        set before its backward; None counts to gradient_accumulation_steps again."""
+        self.policy.boundary = is_boundary
+
     def step(self) -> None:
         """Advance one micro-batch; at an accumulation boundary apply the optimizer step.
         If the optimizer step fails (an I/O error, say), its error is raised here and the
@@ -427,6 +432,11 @@ class Engine:
     def lr_scheduler(self) -> Any:
         return self.policy.lr_scheduler
 
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        """A scheduler over `engine.optimizer`: stepped at every applied step, checkpointed."""
+        self.policy.lr_scheduler = self.sharded_state.lr_scheduler = scheduler
+
     @property
     def loss_scale(self) -> float:
         return self.policy.scaler.scale
@@ -512,14 +522,9 @@ class Engine:
     ) -> tuple[str, Any]:
         """Resume from `load_dir/<tag>` (default: the one `latest` names), also from a run
         with another world size. Every rank calls it. Returns (path, client_state).
-
-        `copy_to_swap` (optimizer state on NVMe only): False reads each unit's state from
-        the checkpoint's files until the unit's first update rewrites it to the swap file
-        (the files are held open, so deleting the checkpoint afterwards is safe); True
-        copies it all into the swap file during the load; None (default) reads in place when
-        the checkpoint is on the swap directory's filesystem and copies otherwise (a
-        checkpoint on slower shared storage should not be read during training). Either way
-        every chunk's checksum is verified during the load. See docs/checkpoint.md."""
+        `copy_to_swap` (optimizer state on NVMe): read the checkpoint in place (False), copy
+        it into the swap file (True), or in place when on the swap's filesystem (None);
+        checksums are verified either way. See docs/checkpoint.md."""
         from offload.checkpoint import load_checkpoint
 
         if self.state is EngineState.FAILED or self._lost_write() is not None:

@@ -3,7 +3,7 @@ from DeepSpeed's.
 
 `load_config(obj)` is what `offload.initialize` calls: None, a `Config`, a mapping in either
 format, or the path of a JSON/YAML file in either format. `read_config_file` parses a file
-(duplicate keys are an error, as in DeepSpeed); `_is_deepspeed` decides which format a
+(duplicate keys are an error, as in DeepSpeed); `is_deepspeed_config` decides which format a
 mapping is in; offload's is read by `Config.from_dict` (sections.py), DeepSpeed's by
 `translate_deepspeed` (deepspeed.py). This is the one module that imports both, so it also
 gives `Config` its `from_file` and `from_deepspeed` ([Note: Config's ways in] in sections.py).
@@ -20,7 +20,7 @@ from offload.config.deepspeed import translate_deepspeed
 from offload.config.deepspeed_keys import DS_ONLY_TOP_KEYS
 from offload.config.sections import Config
 
-__all__ = ["load_config", "read_config_file"]
+__all__ = ["load_config", "read_config_file", "is_deepspeed_config"]
 
 
 def load_config(obj: Union[Config, Mapping[str, Any], str, os.PathLike, None] = None, *,
@@ -28,7 +28,7 @@ def load_config(obj: Union[Config, Mapping[str, Any], str, os.PathLike, None] = 
     """THE entry point: anything a user may pass as `config` -> a validated `Config`.
 
     None -> defaults; a `Config` -> itself; a mapping -> offload's format or a DeepSpeed
-    config (see `_is_deepspeed`); a str / path -> a JSON or YAML file, then as a mapping.
+    config (see `is_deepspeed_config`); a str / path -> a JSON or YAML file, then as a mapping.
     `world_size` is only used to check DeepSpeed's batch sizes; by default it is taken from
     an initialised torch.distributed, else $WORLD_SIZE (set by torchrun), else 1.
     """
@@ -115,7 +115,7 @@ _OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "prefetch", "timelin
 """Top-level keys of offload's format that DeepSpeed does not have."""
 
 
-def _is_deepspeed(data: Mapping[str, Any]) -> bool:
+def is_deepspeed_config(data: Mapping[str, Any]) -> bool:
     """Whether a mapping is a DeepSpeed config rather than offload's format.
 
     DeepSpeed when it has a key only DeepSpeed uses (zero_optimization, fp16, bf16,
@@ -138,7 +138,7 @@ def _is_deepspeed(data: Mapping[str, Any]) -> bool:
 
 
 def _from_any_mapping(data: Mapping[str, Any], *, world_size: Optional[int]) -> Config:
-    if _is_deepspeed(data):
+    if is_deepspeed_config(data):
         return translate_deepspeed(data, world_size=world_size)
     return Config.from_dict(data)
 

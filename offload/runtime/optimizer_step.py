@@ -67,6 +67,9 @@ class StepPolicy:
         self.scaler = LossScaler.from_precision(config.precision)
         self.counters = StepCounters()
         self.gradient_accumulation_steps = int(config.gradient_accumulation_steps)
+        self.boundary: Optional[bool] = None
+        """Set by `engine.set_gradient_accumulation_boundary`: whether the current micro-batch
+        ends an accumulation window, instead of counting micro-batches (None: count)."""
         self.lr_scheduler: Any = None
         self.mode = StepMode.AT_STEP
         self.updated: set[int] = set()
@@ -90,6 +93,8 @@ class StepPolicy:
     # -- micro-batches -------------------------------------------------------------------
 
     def is_boundary(self) -> bool:
+        if self.boundary is not None:
+            return self.boundary
         return (self.counters.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     @property

@@ -1,11 +1,38 @@
-"""Hugging Face integration: DeepSpeed configs as Trainer users write them.
+"""Hugging Face integration (the `hf` extra: transformers, accelerate, peft).
 
-`resolve_auto(ds_config, training_args, num_training_steps=..., model=...)` fills a
-DeepSpeed config's `"auto"` values from `transformers.TrainingArguments` by the rules the
-Trainer uses, so that `offload.load_config` / `offload.initialize` can read it. Nothing here
-imports transformers: the training arguments are read by attribute.
+- `OffloadTrainer` (trainer.py): `transformers.Trainer` with the engine underneath; a
+  Trainer script switches by changing the class name and passing `offload_config=`.
+- `from_pretrained` (pretrained.py): a Hugging Face checkpoint directory loaded straight into
+  the engine's shards by the next `offload.initialize` (or `OffloadTrainer`).
+- `resolve_auto` (auto.py): a DeepSpeed config's `"auto"` values filled from
+  `TrainingArguments` by transformers' rules.
+
+Importing this package imports nothing of transformers: `resolve_auto` reads the arguments
+by attribute, and the other two are loaded when first used.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from offload.integrations.hf.auto import resolve_auto
 
-__all__ = ["resolve_auto"]
+__all__ = ["OffloadTrainer", "from_pretrained", "resolve_auto"]
+
+_LAZY = {
+    "OffloadTrainer": "offload.integrations.hf.trainer",
+    "from_pretrained": "offload.integrations.hf.pretrained",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from offload.integrations.hf.pretrained import from_pretrained
+    from offload.integrations.hf.trainer import OffloadTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'offload.integrations.hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

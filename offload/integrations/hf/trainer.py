@@ -1,0 +1,326 @@
+"""`OffloadTrainer`: the Hugging Face Trainer with the offload engine underneath.
+
+    from offload.integrations.hf import OffloadTrainer     # was: from transformers import Trainer
+    trainer = OffloadTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                             offload_config="offload.yaml")  # or a DeepSpeed config, "auto" values too
+    trainer.train()
+
+Everything else is the Trainer's: data loading, the loop, logging, evaluation, callbacks,
+`save_steps`, `resume_from_checkpoint`, `save_model`. What changes underneath, and why each
+piece is correct (docs/hf.md has the user's side):
+
+- The engine is built in `create_optimizer` (the run's length is known then, for DeepSpeed
+  "auto" values) over `trainer.model`, which may have been loaded straight into shards
+  (`offload.integrations.hf.from_pretrained`). The config comes from `offload_config`, else
+  from `args.deepspeed` (taken out of the arguments, so that transformers and Accelerate do
+  not start DeepSpeed), else offload's defaults; `trainer_config.engine_config` reconciles it
+  with the arguments.
+- Accelerate leaves the model and the optimizer alone: the model is marked prepared (no DDP
+  wrapper, no device move: the engine's shards are already where they belong; the engine
+  reduces gradients itself), and the optimizer the Trainer holds is `_EngineOptimizer`, not a
+  `torch.optim.Optimizer`, which Accelerate passes through. The Accelerator runs without
+  mixed precision (no autocast, no GradScaler): the engine computes in its configured dtype
+  and owns the fp16 loss scale.
+- [Note: the Trainer's backward] The Trainer calls `accelerator.backward(loss)` once per
+  micro-batch, after telling Accelerate whether that micro-batch ends an accumulation window
+  (`sync_gradients`, also True for the shorter last window of an epoch). This Trainer's
+  accelerator sends that call to the engine, as Accelerate does for DeepSpeed:
+  `engine.set_gradient_accumulation_boundary(sync)`, `engine.backward(loss)`,
+  `engine.step()` - so at a window's end the update (with clipping, from `max_grad_norm`)
+  runs there, and the Trainer's later `optimizer.step()` has nothing left to do. The Trainer
+  has already divided the loss for accumulation (by the window's micro-batches, or by the
+  window's token count); the engine divides the summed gradients by
+  gradient_accumulation_steps, so the loss is multiplied by it on the way in.
+- The learning-rate schedule: the Trainer builds its scheduler over the engine's optimizer
+  and hands it to the engine, which steps it at each applied step (not at a skipped fp16
+  overflow) and checkpoints it; the Trainer holds `_EngineSchedule`, whose `step()` is a
+  no-op. A config with its own scheduler section uses that one.
+- The grad norm the Trainer logs is `engine.get_global_grad_norm()` (before clipping, as
+  torch's `clip_grad_norm_` returns it).
+- Checkpoints (`save_steps`): `checkpoint-N/` gets the model as `save_model` writes it, the
+  engine's checkpoint (`global_stepN/`, every rank's shards, optimizer state, scheduler,
+  counters, `latest`) instead of a rank-0 `optimizer.pt`, and the Trainer's own state and RNG
+  files. `resume_from_checkpoint` loads the engine's checkpoint (any world size).
+- `save_model`: a directory `from_pretrained` loads (`engine.save_pretrained`, unit by unit,
+  rank 0 writes); for a PEFT model the adapter only, as PEFT writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import torch
+from transformers import Trainer
+
+import offload
+from offload.integrations.hf.trainer_config import adamw_groups, engine_config
+
+__all__ = ["OffloadTrainer"]
+
+_LATEST = "latest"
+
+
+class _EngineOptimizer:
+    """What the Trainer holds as its optimizer: the engine's param groups (schedulers and
+    logs read them); `step()` checks that the engine applied (or skipped) this window's
+    step, which it did inside the window's last backward ([Note: the Trainer's backward]).
+    Not a `torch.optim.Optimizer`, so Accelerate's `prepare` returns it unchanged."""
+
+    _is_accelerate_prepared = True
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self._windows_seen = 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.engine.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.engine.optimizer.defaults
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise NotImplementedError("OffloadTrainer's optimizer takes no closure")
+        done = self.engine.global_steps + self.engine.skipped_steps
+        if done <= self._windows_seen:
+            raise RuntimeError(
+                "optimizer.step() without an engine step since the last one: the engine applies "
+                "each accumulation window's update in that window's last backward "
+                "(accelerator.backward with sync_gradients=True); call the Trainer's "
+                "training_step, not optimizer.step() on your own")
+        self._windows_seen = done
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine starts each window's gradient sums itself."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the optimizer state is in the engine's shards: it is saved by "
+                           "engine.save_checkpoint (the Trainer's checkpoints do that)")
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        raise RuntimeError("the optimizer state is loaded by engine.load_checkpoint "
+                           "(resume_from_checkpoint does that)")
+
+
+class _EngineSchedule:
+    """What the Trainer holds as its scheduler: the engine steps the real one at each
+    applied optimizer step, so the Trainer's `step()` does nothing; the rest reads it."""
+
+    _is_accelerate_prepared = True
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Stepped by the engine (at applied steps only)."""
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
+class OffloadTrainer(Trainer):
+    """`transformers.Trainer` whose model trains under the offload engine; see the module
+    docstring. `offload_config`: an `offload.Config`, a dict or a JSON/YAML path (offload's
+    format or a DeepSpeed config with "auto" values); None: `args.deepspeed`, else the
+    defaults. Every other argument is the Trainer's. `trainer.engine` is the engine once
+    training (or evaluation) started."""
+
+    def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any,
+                 offload_config: Any = None, **kwargs: Any) -> None:
+        if args is not None and getattr(args, "deepspeed", None):
+            if offload_config is not None:
+                raise ValueError(
+                    "OffloadTrainer got both offload_config and TrainingArguments(deepspeed=...): "
+                    "pass the config once (offload_config=... reads DeepSpeed configs too)")
+            offload_config = args.deepspeed
+            args = _without_deepspeed(args)
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[1] is not None:
+            raise ValueError(
+                "OffloadTrainer(optimizers=(..., scheduler)): a scheduler built over another "
+                "optimizer cannot drive the engine's; set lr_scheduler_type in the "
+                "TrainingArguments, or a scheduler section in the offload config")
+        self.offload_config = offload_config
+        self.engine: Optional[offload.Engine] = None
+        super().__init__(model, args, *trainer_args, **kwargs)
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"OffloadTrainer sees {self.args.n_gpu} GPUs in one process: the engine uses "
+                "one GPU per process; launch with torchrun --nproc_per_node=<GPUs> (or set "
+                "CUDA_VISIBLE_DEVICES to one GPU)")
+
+    # -- Accelerate: no mixed precision of its own, backward through the engine --------------
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        built = super()._build_accelerator_args(**kwargs)
+        built["mixed_precision"] = "no"  # the engine computes in its dtype, owns the loss scale
+        return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # [Note: the Trainer's backward]: this Trainer's own accelerator object only.
+        self.accelerator.backward = self._backward
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if kwargs:
+            raise NotImplementedError(f"accelerator.backward({', '.join(kwargs)}=...) is not "
+                                      "supported under OffloadTrainer")
+        engine = self._engine_or_raise("accelerator.backward")
+        boundary = bool(self.accelerator.sync_gradients)
+        engine.set_gradient_accumulation_boundary(boundary)
+        gas = engine.gradient_accumulation_steps
+        engine.backward(loss * gas if gas != 1 else loss)
+        if boundary:  # the rate this window's update uses (the scheduler moves at the step)
+            self._step_lr = float(engine.optimizer.param_groups[0]["lr"])
+        engine.step()
+
+    def _get_learning_rate(self) -> float:
+        """The rate of the last update, as the Trainer logs it (its scheduler steps after)."""
+        lr = getattr(self, "_step_lr", None)
+        return lr if lr is not None else super()._get_learning_rate()
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """The engine places the model (its shards on their tiers, buffers on the compute
+        device): a whole-model move first would need the whole model in device memory."""
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        return model  # no DataParallel / DDP: the engine shards and reduces itself
+
+    # -- the engine: built with the optimizer -------------------------------------------------
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.engine is None:
+            self._build_engine(model if model is not None else self.model)
+        return self.optimizer
+
+    def _build_engine(self, model: Any) -> None:
+        config, own_optimizer = engine_config(
+            self.offload_config, self.args, num_training_steps=max(int(self.state.max_steps or 0), 1),
+            model=model)
+        if own_optimizer:
+            groups = None if self.optimizer is None else self.optimizer
+        elif self.optimizer is not None:
+            groups = self.optimizer  # optimizers=(torch AdamW over the model, None)
+        else:
+            groups = adamw_groups(model, self.args, self.get_decay_parameter_names(model))
+        self.engine = offload.initialize(model, config, optimizer=groups)
+        model._is_accelerate_prepared = True  # prepare() returns it as it is
+        self.optimizer = _EngineOptimizer(self.engine)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        engine = self._engine_or_raise("create_scheduler")
+        if self.lr_scheduler is None:
+            if engine.lr_scheduler is None:  # no scheduler section: the Trainer's schedule
+                scheduler = super().create_scheduler(num_training_steps, optimizer=engine.optimizer)
+                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    raise ValueError(
+                        "lr_scheduler_type='reduce_lr_on_plateau' is not supported by "
+                        "OffloadTrainer (its steps follow evaluations, not optimizer steps); use a "
+                        "schedule over steps")
+                engine.lr_scheduler = scheduler
+            self.lr_scheduler = _EngineSchedule(engine.lr_scheduler)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _engine_or_raise(self, what: str) -> "offload.Engine":
+        if self.engine is None:
+            raise RuntimeError(f"{what} before the engine exists: it is built by create_optimizer "
+                               "(trainer.train() does that)")
+        return self.engine
+
+    # -- gradient norm: the engine's ---------------------------------------------------------
+
+    def _clip_grad_norm(self, model: Any) -> Optional[float]:
+        return self.engine.get_global_grad_norm() if self.engine is not None else None
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Optional[float]:
+        return self.engine.get_global_grad_norm() if self.engine is not None else grad_norm
+
+    # -- saving and resuming ------------------------------------------------------------------
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """A directory `from_pretrained` loads (every rank calls it; rank 0 writes); the
+        adapter only for a PEFT model. Before training: the Trainer's own save."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _is_peft(self.model):
+            self._save_adapter(output_dir)
+        else:
+            self.engine.save_pretrained(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_adapter(self, output_dir: str) -> None:
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        with self.engine.gathered([p for _, p in named]):
+            state = {n: p.detach().to("cpu", copy=True) for n, p in named}
+        self.model.save_pretrained(output_dir, state_dict=state, is_main_process=self.args.should_save)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(output_dir)  # output_dir/global_stepN + latest, every rank
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Called by `train()` before the engine exists: the weights come with the engine's
+        checkpoint in `_load_optimizer_and_scheduler`, once it is built."""
+        _check_engine_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        _check_engine_checkpoint(checkpoint)
+        self._engine_or_raise("resume_from_checkpoint").load_checkpoint(checkpoint)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        _check_engine_checkpoint(best)
+        self._engine_or_raise("load_best_model_at_end").load_checkpoint(best)
+
+
+def _is_peft(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _check_engine_checkpoint(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, _LATEST)):
+        raise FileNotFoundError(
+            f"{path} has no offload engine checkpoint ('{_LATEST}' is missing): OffloadTrainer "
+            "resumes from the checkpoints it saves (save_only_model=False). To start from a "
+            "model saved elsewhere, load its weights (offload.integrations.hf.from_pretrained) "
+            "and train without resume_from_checkpoint")
+
+
+def _without_deepspeed(args: Any) -> Any:
+    """A copy of `args` with `deepspeed` unset: Accelerate must not start DeepSpeed (its
+    state was set up by the arguments' own __post_init__, through an environment variable
+    that the copy's must not see)."""
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    return dataclasses.replace(args, deepspeed=None)
