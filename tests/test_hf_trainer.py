@@ -179,3 +179,224 @@ def test_trainer_matches_plain_trainer_world_size_2() -> None:
     results = run_distributed(_all_variants, 2, "gpt2", init_group=False)
     for r, runs in enumerate(results):
         check_parity(runs, f"gpt2, world size 2, rank {r}", steps=4)
+
+
+# -- checkpoints: save at step 3, resume, save_model ------------------------------------------
+
+
+def test_resume_from_step_3_equals_the_uninterrupted_run(tmp_path) -> None:
+    from offload.integrations.hf import OffloadTrainer
+
+    def trainer(outdir: str) -> Any:
+        args = training_args(outdir, save_strategy="steps", save_steps=3, logging_steps=1)
+        return OffloadTrainer(model=tiny_model("llama"), args=args, train_dataset=token_data(),
+                              offload_config={"compute_device": "cpu"})
+
+    whole = trainer(str(tmp_path / "whole"))
+    whole.train()
+    want = whole.engine.full_state_dict()
+    want_curves = curves(whole)
+    whole.engine.close()
+    ckpt = tmp_path / "whole" / "checkpoint-3"
+    names = set(os.listdir(ckpt))
+    # The engine's checkpoint (every rank's shards) instead of a rank-0 optimizer.pt, beside
+    # what save_model writes and the Trainer's own state.
+    assert {"latest", "global_step3", "config.json", "model.safetensors", "trainer_state.json"} <= names, names
+    assert not names & {"optimizer.pt", "scheduler.pt"}, names
+
+    resumed = trainer(str(tmp_path / "resumed"))
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    got = resumed.engine.full_state_dict()
+    assert resumed.engine.global_steps == resumed.state.global_step == 7
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after resuming at step 3"
+    assert curves(resumed)["loss"] == want_curves["loss"]  # steps 1-3 from the checkpoint's history
+    # Negative control: the weights at step 3 are not the final ones.
+    at_3 = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    assert not torch.equal(at_3["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+    resumed.engine.close()
+
+
+def test_resume_from_a_checkpoint_without_engine_state_is_refused(tmp_path) -> None:
+    from offload.integrations.hf import OffloadTrainer
+
+    (tmp_path / "checkpoint-1").mkdir()
+    t = OffloadTrainer(model=tiny_model("gpt2"), args=training_args(str(tmp_path)),
+                       train_dataset=token_data(), offload_config={"compute_device": "cpu"})
+    with pytest.raises(FileNotFoundError, match="no offload engine checkpoint"):
+        t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_save_model_loads_with_from_pretrained_and_gives_the_engine_logits(tmp_path, kind: str) -> None:
+    from offload.integrations.hf import OffloadTrainer
+
+    t = OffloadTrainer(model=tiny_model(kind), args=training_args(str(tmp_path / "run")),
+                       train_dataset=token_data(), offload_config={"compute_device": "cpu"})
+    t.train()
+    t.save_model(str(tmp_path / "model"))
+    ids = torch.stack([s["input_ids"] for s in token_data(4)])
+    t.model.eval()
+    with torch.no_grad():
+        want = t.model(input_ids=ids).logits
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert os.path.isfile(tmp_path / "model" / "training_args.bin")
+    # Negative control: the trained model is not the initial one.
+    with torch.no_grad():
+        initial = tiny_model(kind).eval()(input_ids=ids).logits
+    assert not torch.allclose(initial, want)
+    t.engine.close()
+
+
+# -- configs: DeepSpeed's with "auto", offload's, conflicts ---------------------------------
+
+
+AUTO_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"},
+}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_deepspeed_config_full_of_auto_values_trains(tmp_path, bf16: bool) -> None:
+    from offload.integrations.hf import OffloadTrainer
+
+    args = training_args(str(tmp_path), bf16=bf16)
+    t = OffloadTrainer(model=tiny_model("gpt2"), args=args, train_dataset=token_data(),
+                       offload_config=AUTO_CONFIG)
+    t.train()
+    cfg = t.engine.config
+    assert cfg.gradient_accumulation_steps == 2 and cfg.gradient_clipping == CLIP
+    assert cfg.precision.dtype == ("bf16" if bf16 else "fp32")
+    assert cfg.optimizer.lr == LR and tuple(cfg.optimizer.betas) == (args.adam_beta1, args.adam_beta2)
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
+    assert cfg.scheduler.params["total_num_steps"] == 7 and cfg.scheduler.params["warmup_num_steps"] == 2
+    assert t.engine.global_steps == t.state.global_step == 7
+    # The logged rates are the config's schedule (DeepSpeed's WarmupDecayLR, log warm-up),
+    # stepped once per update by the engine: replayed here on a bare optimizer.
+    from offload.optim.lr_schedules import resolve_scheduler
+
+    bare = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    schedule = resolve_scheduler(bare, None, cfg.scheduler)
+    want = []
+    for _ in range(7):
+        want.append(bare.param_groups[0]["lr"])
+        bare.step()
+        schedule.step()
+    assert curves(t)["learning_rate"] == want
+    assert max(want) == LR and want[-1] < want[3]  # warms up, then decays
+    assert all(math.isfinite(x) for x in curves(t)["loss"])
+    t.engine.close()
+
+
+def test_conflicts_between_the_config_and_the_arguments_are_named(tmp_path) -> None:
+    from offload.config import ConfigError
+    from offload.integrations.hf import OffloadTrainer
+
+    def attempt(config: Any, **kw: Any) -> str:
+        t = OffloadTrainer(model=tiny_model("gpt2"), args=training_args(str(tmp_path), **kw),
+                           train_dataset=token_data(), offload_config=config)
+        with pytest.raises(ConfigError) as info:
+            t.train()
+        return str(info.value)
+
+    msg = attempt({"gradient_accumulation_steps": 4, "gradient_clipping": 2.0, "compute_device": "cpu"})
+    assert "gradient_accumulation_steps = 4" in msg and "gradient_accumulation_steps = 2" in msg
+    assert "gradient_clipping = 2.0" in msg and "max_grad_norm = 0.5" in msg
+    msg = attempt({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}})
+    assert "gradient_accumulation_steps = 4" in msg and "gradient_accumulation_steps = 2" in msg
+    msg = attempt({"compute_device": "cpu"}, optim="adafactor")
+    assert "adafactor" in msg and "adamw_torch" in msg
+
+
+def test_args_deepspeed_is_read_as_the_config(tmp_path) -> None:
+    pytest.importorskip("deepspeed", reason="TrainingArguments(deepspeed=...) itself needs DeepSpeed "
+                        "installed (transformers builds its DeepSpeed plugin there)")
+    from offload.integrations.hf import OffloadTrainer
+
+    args = training_args(str(tmp_path), deepspeed=AUTO_CONFIG)
+    t = OffloadTrainer(model=tiny_model("gpt2"), args=args, train_dataset=token_data())
+    assert t.args.deepspeed is None and not t.is_deepspeed_enabled
+    t.train()
+    assert t.engine.config.scheduler.type == "WarmupDecayLR"
+    assert t.engine.global_steps == 7
+    t.engine.close()
+    with pytest.raises(ValueError, match="both offload_config and"):
+        OffloadTrainer(model=tiny_model("gpt2"), args=training_args(str(tmp_path), deepspeed=AUTO_CONFIG),
+                       train_dataset=token_data(), offload_config={})
+
+
+# -- PEFT / LoRA ----------------------------------------------------------------------------
+
+
+def lora_model(dtype: torch.dtype = torch.float32) -> Any:
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    model = tiny_model("llama")
+    torch.manual_seed(2)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj"]))
+    for n, p in lora.named_parameters():  # lora_B starts at zero: move it, so A gets gradients
+        if "lora_B" in n:
+            with torch.no_grad():
+                p.normal_(0.0, 0.02)
+    return lora.to(dtype)
+
+
+def test_lora_through_offload_trainer_matches_plain_peft(tmp_path) -> None:
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    from offload.integrations.hf import OffloadTrainer
+
+    runs: dict[str, Any] = {}
+    for variant in ("truth", "plain", "fused", "split", "offload"):
+        kw: dict[str, Any] = {"fused": {"optim": "adamw_torch_fused"},
+                              "split": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4}
+                              }.get(variant, {})
+        model = lora_model(torch.float64 if variant == "truth" else torch.float32)
+        args = training_args(str(tmp_path / variant), learning_rate=5e-2, **kw)
+        if variant == "offload":
+            t = OffloadTrainer(model=model, args=args, train_dataset=token_data(),
+                               offload_config={"compute_device": "cpu"})
+            t.train()
+            weights = t.engine.full_state_dict()
+        else:
+            t = transformers.Trainer(model=model, args=args, train_dataset=token_data())
+            t.train()
+            weights = {k: v.detach().to(torch.float64 if variant == "truth" else torch.float32).clone()
+                       for k, v in model.state_dict().items()}
+        runs[variant] = {"weights": weights, "trainer": t}
+    bound = Fp32Bound(runs["truth"]["weights"], {v: runs[v]["weights"] for v in ("plain", "fused", "split")})
+    bound.check(runs["offload"]["weights"], "OffloadTrainer LoRA")
+    trained = [k for k in runs["offload"]["weights"] if "lora_" in k]
+    assert trained, "no LoRA weights in the engine's state dict"
+    initial = lora_model().state_dict()
+    assert all(not torch.equal(runs["offload"]["weights"][k], initial[k]) for k in trained)
+    frozen = [k for k in initial if "lora_" not in k]
+    assert all(torch.equal(runs["offload"]["weights"][k], initial[k]) for k in frozen)
+
+    # save_model writes the adapter as PEFT does; PEFT loads it onto the base model.
+    t = runs["offload"]["trainer"]
+    t.save_model(str(tmp_path / "adapter"))
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")
+    ids = torch.stack([s["input_ids"] for s in token_data(4)])
+    t.model.eval()
+    with torch.no_grad():
+        want = t.model(input_ids=ids).logits
+        loaded = peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "adapter").eval()
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(got, want)
+    t.engine.close()
