@@ -14,6 +14,7 @@ equal. Negative control: a Trainer whose engine misses the first micro-batch of 
 (the bug class of a Trainer and an engine counting windows differently) lands > 100x
 outside the bound.
 
+Each run is also evaluated at its end (`trainer.evaluate`, the same bound on eval_loss).
 Also: world size 2 (real processes, gloo; the plain run is DDP); save at step 3 and resume
 gives the uninterrupted run's weights bit for bit; `save_model` output loads with
 `from_pretrained` and gives the engine's logits; a DeepSpeed config full of "auto" values;
@@ -117,14 +118,17 @@ def train_variant(kind: str, variant: str, outdir: str, n_samples: int = N_SAMPL
         trainer.train()
         weights = trainer.engine.full_state_dict(rank0_only=False)
         steps = (trainer.engine.global_steps, trainer.state.global_step)
-        trainer.engine.close()
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=token_data(n_samples))
         trainer.train()
         weights = {k: v.detach().to(torch.float64 if variant == "truth" else torch.float32).clone()
                    for k, v in model.state_dict().items()}
         steps = (trainer.state.global_step, trainer.state.global_step)
-    return {"curves": curves(trainer), "weights": weights, "steps": steps}
+    logged = curves(trainer)
+    logged["eval_loss"] = [trainer.evaluate(eval_dataset=token_data(6))["eval_loss"]]
+    if variant in ("offload", "dropping"):
+        trainer.engine.close()
+    return {"curves": logged, "weights": weights, "steps": steps}
 
 
 VARIANTS = ("truth", "plain", "fused", "split", "offload", "dropping")
@@ -157,7 +161,7 @@ class CurveBound:
 def check_parity(runs: dict[str, Any], what: str, steps: int) -> None:
     bound = Fp32Bound(runs["truth"]["weights"], {v: runs[v]["weights"] for v in ("plain", "fused", "split")})
     bound.check(runs["offload"]["weights"], f"OffloadTrainer {what}")
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "eval_loss"):
         cb = CurveBound(runs, key)
         assert cb.ratio(runs["offload"]["curves"][key]) <= 1, (
             f"{what}: the {key} curve is outside its bound\n offload {runs['offload']['curves'][key]}\n"
@@ -400,3 +404,20 @@ def test_lora_through_offload_trainer_matches_plain_peft(tmp_path) -> None:
         got = loaded(input_ids=ids).logits
     assert torch.equal(got, want)
     t.engine.close()
+
+
+def test_activation_checkpointing_gives_the_same_run(tmp_path) -> None:
+    """The Trainer's activation checkpointing recomputes each layer's forward in backward:
+    the engine gathers the layer again for it, and the arithmetic is the same."""
+    from offload.integrations.hf import OffloadTrainer
+
+    out = {}
+    for ckpt in (False, True):
+        t = OffloadTrainer(model=tiny_model("llama"), args=training_args(str(tmp_path / str(ckpt)),
+                           gradient_checkpointing=ckpt), train_dataset=token_data(),
+                           offload_config={"compute_device": "cpu"})
+        t.train()
+        out[ckpt] = t.engine.full_state_dict()
+        t.engine.close()
+    assert all(torch.equal(out[True][k], out[False][k]) for k in out[False])
+    assert not torch.equal(out[True]["model.norm.weight"], tiny_model("llama").state_dict()["model.norm.weight"])

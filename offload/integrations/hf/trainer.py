@@ -202,6 +202,10 @@ class OffloadTrainer(Trainer):
         device): a whole-model move first would need the whole model in device memory."""
 
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if self.engine is None and not training and any(p.is_meta for p in model.parameters()):
+            # evaluate()/predict() before train() on a model loaded into shards
+            # (from_pretrained): its weights exist only once the engine streams them in.
+            self._build_engine(model)
         return model  # no DataParallel / DDP: the engine shards and reduces itself
 
     # -- the engine: built with the optimizer -------------------------------------------------
@@ -212,9 +216,10 @@ class OffloadTrainer(Trainer):
         return self.optimizer
 
     def _build_engine(self, model: Any) -> None:
-        config, own_optimizer = engine_config(
-            self.offload_config, self.args, num_training_steps=max(int(self.state.max_steps or 0), 1),
-            model=model)
+        # The run's length (DeepSpeed's "auto" total_num_steps): known once train() started.
+        steps = int(self.state.max_steps or 0) or (self.args.max_steps if self.args.max_steps > 0 else None)
+        config, own_optimizer = engine_config(self.offload_config, self.args, num_training_steps=steps,
+                                              model=model)
         if own_optimizer:
             groups = None if self.optimizer is None else self.optimizer
         elif self.optimizer is not None:

@@ -40,7 +40,7 @@ ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw
 ConfigSource = Union[Config, Mapping[str, Any], str, "os.PathLike[str]", None]
 
 
-def engine_config(source: ConfigSource, args: Any, *, num_training_steps: int,
+def engine_config(source: ConfigSource, args: Any, *, num_training_steps: Optional[int],
                   model: Any) -> tuple[Config, bool]:
     """(the engine's `Config`, whether it has its own optimizer section) for a Trainer run
     with `args` of `num_training_steps` optimizer steps; see the module docstring."""
