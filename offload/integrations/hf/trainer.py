@@ -158,6 +158,10 @@ class OffloadTrainer(Trainer):
                 "OffloadTrainer(optimizers=(..., scheduler)): a scheduler built over another "
                 "optimizer cannot drive the engine's; set lr_scheduler_type in the "
                 "TrainingArguments, or a scheduler section in the offload config")
+        if args is not None and getattr(args, "auto_find_batch_size", False):
+            raise ValueError("OffloadTrainer does not support auto_find_batch_size (each retry would "
+                             "rebuild the engine); set per_device_train_batch_size, and see "
+                             "python -m offload.plan for what fits")
         self.offload_config = offload_config
         self.engine: Optional[offload.Engine] = None
         super().__init__(model, args, *trainer_args, **kwargs)
