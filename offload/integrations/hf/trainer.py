@@ -237,7 +237,8 @@ class OffloadTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         engine = self._engine_or_raise("create_scheduler")
         if self.lr_scheduler is None:
-            if engine.lr_scheduler is None:  # no scheduler section: the Trainer's schedule
+            if engine.config.scheduler is None:  # no scheduler section: the Trainer's schedule
+                # (built again for each train() call, as the Trainer does, for its length)
                 scheduler = super().create_scheduler(num_training_steps, optimizer=engine.optimizer)
                 if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                     raise ValueError(
