@@ -165,6 +165,29 @@ def test_hf_causal_lm_trains(arch):
     assert "units" in out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed (pip install 'offload[hf]')")
+def test_hf_trainer_fine_tunes_a_local_checkpoint_resumes_and_saves(tmp_path):
+    model, out_dir = str(tmp_path / "llama"), str(tmp_path / "out")
+    size = ["--layers", "2", "--hidden", "32", "--intermediate", "64", "--heads", "2", "--kv-heads", "1"]
+    run("hf_trainer.py", "--model", model, "--make-model", *size)
+    assert os.path.isfile(os.path.join(model, "config.json"))
+    common = ["--model", model, "--output-dir", out_dir, "--seq", "32", "--save-steps", "2"]
+    first = done(run("hf_trainer.py", *common, "--steps", "4"))
+    assert first["steps"] == first["engine_steps"] == 4 and first["last_loss"] < 10, first
+    assert sorted(os.listdir(out_dir))[:2] == ["checkpoint-2", "checkpoint-4"]
+    # Resume from checkpoint-4 to step 6: the engine's own checkpoint is loaded.
+    second = done(run("hf_trainer.py", *common, "--steps", "6", "--resume"))
+    assert second["steps"] == second["engine_steps"] == 6, second
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out_dir)
+    assert saved.config.num_hidden_layers == 2
+    lora = done(run("hf_trainer.py", "--model", model, "--output-dir", str(tmp_path / "lora"),
+                    "--seq", "32", "--steps", "2", "--lora"))
+    assert lora["steps"] == 2 and os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
+
+
 def test_deepspeed_user_script_runs():
     out = run("deepspeed_user.py", "--steps", "2", "--layers", "1", "--d-model", "32", "--seq", "16",
               "--samples", "32")
@@ -238,6 +261,8 @@ def test_flags_without_help_sees_a_missing_help():
 @pytest.mark.parametrize("script", [
     "train_gpt.py",
     pytest.param("hf_causal_lm.py", marks=pytest.mark.skipif(
+        not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'offload[hf]')")),
+    pytest.param("hf_trainer.py", marks=pytest.mark.skipif(
         not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'offload[hf]')")),
     "deepspeed_user.py",
     "plain_pytorch_oom.py",

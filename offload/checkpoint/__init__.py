@@ -13,6 +13,7 @@
 | `full_weights.py` | the full fp32 weights unit by unit: consolidation, `full_state_dict`, `load_full_state_dict` |
 | `consolidate.py` | full-model safetensors, streamed unit by unit |
 | `pretrained.py` | `engine.save_pretrained`: a directory Hugging Face's `from_pretrained` loads |
+| `safetensors_dir.py` | reading such a directory tensor by tensor, unmapped (`offload.integrations.hf.from_pretrained`) |
 
 The functions that act on a live engine take its `offload.runtime.view.ShardedState`
 (`engine.sharded_state`), never the `Engine`: they read and restore only what it lists.

@@ -24,18 +24,96 @@ What is guaranteed (the replay is `reset_parameters()` in `model.apply` order):
   have the same distribution, not the same values.
 - A parameter that neither `reset_parameters()` nor `init_fn` initialized is an error
   naming it (its values would be garbage), as is a buffer left on the meta device.
+
+Values from a source instead (a checkpoint: `offload.integrations.hf.from_pretrained`):
+`attach_source(model, source, init_fn)` hands the next `initialize` of `model` — or of a
+model containing it (a PEFT wrapper) — a `WeightSource`, and then no module is replayed.
+Guaranteed:
+- every parameter `model` had when the source was attached is read once from the source,
+  under any of the names it had then (a tied parameter has several; a wrapper may rename it
+  since), unit by unit in the engine's order, and released as soon as its rank's slice is in
+  the master: beside the shards the host holds at most two full parameters (the one being
+  read, and the previous one until the engine lets it go);
+- its value is cast to the dtype the model's (meta) parameter has, as `load_state_dict`
+  into that parameter would, before the fp32 master takes it;
+- a parameter without a value in the source keeps its own values if it has any; if it is
+  on the meta device (one the source lacks, or one added inside `model` since: an
+  adapter's), its module's such parameters are made on the CPU and `init_fn(module)` fills
+  them (the other parameters of the module stay on the meta device meanwhile, so an init
+  touching them does nothing); one it leaves unset (still NaN) is an error naming it, as is
+  one with no `init_fn` to fill it — checked before anything is read. Every rank runs the
+  init and keeps its slice: ranks must share their random state (seed them alike);
+- the source is consumed by that `initialize` (closed when the values are done, or when
+  the build fails after it started reading), and buffers are not its business (the caller
+  loads them into the real buffers before `initialize`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["materialize_values", "set_pending_init_fn"]
+__all__ = ["WeightSource", "attach_source", "materialize_values", "set_pending_init_fn"]
 
-_PENDING_INIT_FN: Optional[Callable[[nn.Module], None]] = None
+InitFn = Callable[[nn.Module], None]
+
+_PENDING_INIT_FN: Optional[InitFn] = None
+
+
+class WeightSource(Protocol):
+    """Where the values of a model's parameters come from at `initialize`, by name (every
+    name `model.named_parameters(remove_duplicate=False)` gives a parameter)."""
+
+    def __contains__(self, name: object) -> bool:
+        """Whether `get(name)` gives a value."""
+
+    def get(self, name: str) -> Optional[torch.Tensor]:
+        """The full value of parameter `name`, a CPU tensor the caller owns (nothing else
+        may keep a reference: its memory goes back when the caller drops it); None when
+        the source has no value for it."""
+
+    def close(self) -> None:
+        """Release what the source holds (files); called once, when `initialize` is done
+        with it."""
+
+
+@dataclass
+class _Attached:
+    """A source attached to a module, with that module's parameters as they were then."""
+
+    source: WeightSource
+    init_fn: Optional[InitFn]
+    names: dict[int, tuple[nn.Parameter, list[str]]]
+    """id(parameter) -> (the parameter, kept so the id stays its own; its names under the
+    module at attach time). Names are taken then because a wrapper may rename them later
+    (PEFT's LoRA moves `q_proj.weight` to `q_proj.base_layer.weight`); the objects stay."""
+
+
+# Module -> its attached source, for the next build of a model containing it (the module
+# itself, or a wrapper around it such as a PeftModel): popped by `materialize_values`.
+# Weak: a model never initialized takes its source with it (nothing in the value refers to
+# the module).
+_SOURCES: "weakref.WeakKeyDictionary[nn.Module, _Attached]" = weakref.WeakKeyDictionary()
+
+
+def attach_source(model: nn.Module, source: WeightSource, init_fn: Optional[InitFn] = None) -> None:
+    """The next `offload.initialize` of `model`, or of a model that contains it, takes the
+    values of `model`'s parameters (those it has now, under the names they have now) from
+    `source` (module docstring); `init_fn(module)` initializes what the source lacks and
+    parameters added inside `model` later (an adapter's). `init_fn` must not hold `model`
+    strongly (the registry is weak on it). A source attached before and not consumed yet
+    is closed and replaced."""
+    old = _SOURCES.pop(model, None)
+    if old is not None:
+        old.source.close()
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    _SOURCES[model] = _Attached(source, init_fn, names)
 
 
 def set_pending_init_fn(fn: Optional[Callable[[nn.Module], None]]) -> None:
@@ -51,7 +129,16 @@ def materialize_values(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (id of the model's original parameter, its full fp32-or-native value) for every
     parameter, one module's worth at a time. Real parameters are yielded as they are; a
-    meta-built model is initialized by replay (see the module docstring)."""
+    meta-built model is initialized by replay, or read from its attached source (see the
+    module docstring)."""
+    attached = [(m, _SOURCES.pop(m)) for m in model.modules() if m in _SOURCES]
+    if attached:
+        try:
+            yield from _from_sources(records, attached)
+        finally:
+            for _, a in attached:
+                a.source.close()
+        return
     all_records = [rec for recs in records for rec in recs]
     if not any(rec.param.is_meta for rec in all_records):
         for rec in all_records:
@@ -172,3 +259,105 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
         done.add(pid)
         yield pid, real[pid].detach()
         release(pid)
+
+
+def _from_sources(records: list[list[Any]], attached: list[tuple[nn.Module, _Attached]]
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
+    where: dict[int, tuple[_Attached, list[str]]] = {}
+    for _, a in attached:
+        for pid, (_, names) in a.names.items():
+            where[pid] = (a, names)
+    # a parameter added inside an attached module after attach (an adapter's) is
+    # initialized by that module's init_fn
+    inside = {id(sub): a for m, a in attached for sub in m.modules()}
+
+    def names(rec: Any) -> list[str]:
+        # the attach-time names, the record's own first when it is one of them (a tied
+        # parameter is read under it when the source has several)
+        entry = where.get(id(rec.param))
+        if entry is None:
+            return []
+        own = rec.name if rec.name in entry[1] else None
+        return ([own] if own else []) + [n for n in entry[1] if n != own]
+
+    def source_of(rec: Any) -> Optional[_Attached]:
+        entry = where.get(id(rec.param))
+        return entry[0] if entry is not None else inside.get(id(rec.owners[0][0]))
+
+    def has_value(rec: Any) -> bool:
+        a = source_of(rec)
+        return a is not None and any(n in a.source for n in names(rec))
+
+    lacking = [rec for recs in records for rec in recs if rec.param.is_meta and not has_value(rec)]
+    no_init = [r.name for r in lacking if source_of(r) is None or source_of(r).init_fn is None]
+    if no_init:
+        raise ValueError(
+            f"parameters {no_init[:8]}{'...' if len(no_init) > 8 else ''} are on the meta device "
+            "and no attached source has values for them or an init_fn to initialize them; load a "
+            "checkpoint that has them, or attach the source with an init_fn")
+    # Missing parameters are initialized a module at a time, on the module's first record;
+    # the values wait in `made` for their own records (a head's few tensors).
+    made: dict[int, torch.Tensor] = {}
+    to_init = {id(r.param): r for r in lacking}
+    for recs in records:
+        for rec in recs:
+            pid = id(rec.param)
+            value: Optional[torch.Tensor] = None
+            a = source_of(rec)
+            for n in names(rec) if a is not None else ():
+                value = a.source.get(n)
+                if value is not None:
+                    break
+            if value is not None:
+                if tuple(value.shape) != tuple(rec.param.shape):
+                    raise ValueError(
+                        f"parameter {rec.name!r}: its source's value has shape {tuple(value.shape)}, "
+                        f"the model's parameter {tuple(rec.param.shape)}")
+                if value.is_floating_point() and value.dtype != rec.param.dtype:
+                    value = value.to(rec.param.dtype)
+            elif pid in to_init or pid in made:
+                if pid in to_init:
+                    module = rec.owners[0][0]
+                    mine = [r for r in to_init.values() if any(o is module for o, _ in r.owners)]
+                    for r in mine:
+                        del to_init[id(r.param)]
+                    assert a is not None and a.init_fn is not None  # checked above
+                    made.update(_init_lacking(module, mine, a.init_fn))
+                value = made.pop(pid)
+            else:
+                value = rec.param.detach()  # real values of its own: kept
+            yield pid, value
+            del value  # the master has its slice: nothing here keeps the full value
+
+
+def _init_lacking(module: nn.Module, mine: list[Any], init_fn: Any) -> dict[int, torch.Tensor]:
+    """Make `module`'s lacking parameters (`mine`) on the CPU, NaN-filled, run `init_fn` on
+    the module, check each was set, and put the meta parameters back (the engine swaps in
+    its views next). Returns id(meta parameter) -> value."""
+    made: list[tuple[Any, str]] = []
+    for r in mine:
+        p = r.param
+        fill = (torch.full(p.shape, float("nan"), dtype=p.dtype) if p.is_floating_point()
+                else torch.zeros(p.shape, dtype=p.dtype))
+        t = nn.Parameter(fill, requires_grad=p.requires_grad)
+        for owner, attr in r.owners:
+            owner._parameters[attr] = t
+        made.append((r, next(a for o, a in r.owners if o is module)))
+    out: dict[int, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            init_fn(module)
+        for r, attr in made:
+            out[id(r.param)] = module._parameters[attr].detach()  # the init may replace it
+    finally:
+        for r, _ in made:
+            for owner, a in r.owners:
+                owner._parameters[a] = r.param
+    unset = [r.name for r, _ in made
+             if out[id(r.param)].is_floating_point() and bool(torch.isnan(out[id(r.param)]).any())]
+    if unset:
+        raise ValueError(
+            f"parameters {unset} are not in the checkpoint and the model's init "
+            f"({getattr(init_fn, '__qualname__', init_fn)}) on {type(module).__name__} left "
+            "them unset; give the module an init that sets them, or load a checkpoint that has them")
+    return out
