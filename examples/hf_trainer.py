@@ -34,10 +34,9 @@ import sys
 import torch
 
 try:
-    import offload
+    import offload  # noqa: F401 - installed, or:
 except ImportError:  # pragma: no cover - running from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import offload
 
 from cli import add_tier_flags, engine_errors, make_swap_dir  # examples/cli.py
 

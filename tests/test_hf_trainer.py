@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
