@@ -186,6 +186,12 @@ def test_hf_trainer_fine_tunes_a_local_checkpoint_resumes_and_saves(tmp_path):
     lora = done(run("hf_trainer.py", "--model", model, "--output-dir", str(tmp_path / "lora"),
                     "--seq", "32", "--steps", "2", "--lora"))
     assert lora["steps"] == 2 and os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
+    # Two processes: every rank reads its slices of the checkpoint, the Trainer's DDP is left out.
+    two = done(run("hf_trainer.py", "--model", model, "--output-dir", str(tmp_path / "two"), "--seq", "32",
+                   "--steps", "2", "--save-steps", "2",
+                   launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")))
+    assert two["world_size"] == 2 and two["engine_steps"] == 2
+    assert os.path.isfile(tmp_path / "two" / "checkpoint-2" / "latest")
 
 
 def test_deepspeed_user_script_runs():
