@@ -96,7 +96,8 @@ def _dropping_trainer_cls() -> Any:
     return DroppingTrainer
 
 
-def train_variant(kind: str, variant: str, outdir: str, n_samples: int = N_SAMPLES, **kw: Any) -> dict[str, Any]:
+def train_variant(kind: str, variant: str, outdir: str, n_samples: int = N_SAMPLES, cuda: bool = False,
+                  **kw: Any) -> dict[str, Any]:
     """One Trainer run in this process; returns its curves and final fp32 weights."""
     from offload.integrations.hf import OffloadTrainer
 
@@ -109,19 +110,20 @@ def train_variant(kind: str, variant: str, outdir: str, n_samples: int = N_SAMPL
     elif variant == "split":
         args_kw.update(per_device_train_batch_size=1, gradient_accumulation_steps=4)
     args_kw.update(kw)
+    args_kw["use_cpu"] = not cuda
     model = tiny_model(kind, dtype)
     args = training_args(outdir, **args_kw)
     if variant in ("offload", "dropping"):
         cls = OffloadTrainer if variant == "offload" else _dropping_trainer_cls()
         trainer = cls(model=model, args=args, train_dataset=token_data(n_samples),
-                      offload_config={"compute_device": "cpu"})
+                      offload_config={"compute_device": "cuda" if cuda else "cpu"})
         trainer.train()
         weights = trainer.engine.full_state_dict(rank0_only=False)
         steps = (trainer.engine.global_steps, trainer.state.global_step)
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=token_data(n_samples))
         trainer.train()
-        weights = {k: v.detach().to(torch.float64 if variant == "truth" else torch.float32).clone()
+        weights = {k: v.detach().to("cpu", torch.float64 if variant == "truth" else torch.float32, copy=True)
                    for k, v in model.state_dict().items()}
         steps = (trainer.state.global_step, trainer.state.global_step)
     logged = curves(trainer)
@@ -177,6 +179,14 @@ def check_parity(runs: dict[str, Any], what: str, steps: int) -> None:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_trainer_matches_plain_trainer_world_size_1(kind: str) -> None:
     check_parity(_all_variants(0, 1, kind), f"{kind}, world size 1", steps=7)
+
+
+@pytest.mark.cuda
+def test_trainer_matches_plain_trainer_on_cuda(tmp_path) -> None:
+    """The same comparison with the model computing on the GPU (the Trainer's and the
+    engine's), the engine's shards in pinned host memory."""
+    runs = {v: train_variant("llama", v, str(tmp_path / v), cuda=True) for v in VARIANTS}
+    check_parity(runs, "llama, CUDA", steps=7)
 
 
 def test_trainer_matches_plain_trainer_world_size_2() -> None:
