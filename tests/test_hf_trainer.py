@@ -431,3 +431,24 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path) -> None:
         t.engine.close()
     assert all(torch.equal(out[True][k], out[False][k]) for k in out[False])
     assert not torch.equal(out[True]["model.norm.weight"], tiny_model("llama").state_dict()["model.norm.weight"])
+
+
+def test_a_model_loaded_into_shards_evaluates_and_trains(tmp_path) -> None:
+    """`from_pretrained` into shards, then the Trainer: evaluate() before train() builds the
+    engine (the weights exist only there), and gives transformers' own model's eval loss."""
+    from offload.integrations.hf import OffloadTrainer, from_pretrained
+
+    tiny_model("llama").save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float32)
+    plain = transformers.Trainer(model=loaded, args=training_args(str(tmp_path / "plain")))
+    want = plain.evaluate(eval_dataset=token_data(6))["eval_loss"]
+    model = from_pretrained(str(tmp_path / "pretrained"))
+    assert all(p.is_meta for p in model.parameters())
+    t = OffloadTrainer(model=model, args=training_args(str(tmp_path / "run")), train_dataset=token_data(),
+                       offload_config={"compute_device": "cpu"})
+    assert t.evaluate(eval_dataset=token_data(6))["eval_loss"] == want
+    t.train()
+    assert t.engine.global_steps == t.state.global_step == 7
+    trained = t.engine.full_state_dict()
+    assert not torch.equal(trained["model.norm.weight"], loaded.state_dict()["model.norm.weight"])
+    t.engine.close()
