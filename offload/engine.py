@@ -41,6 +41,7 @@ from offload.dtypes import DTYPES
 from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
 from offload.runtime.accounting import memory_bytes
+from offload.runtime.activations import configure as configure_activations
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.build import build
 from offload.runtime.gather import Gatherer
@@ -142,6 +143,8 @@ class Engine:
 
         check_weights_present(model)
         check_monitors(config.monitors)  # a missing library fails here, before the build
+        if config.activation_checkpointing.cpu_offload:  # offload.checkpointing's default
+            configure_activations(config.activation_checkpointing)
         built = build(self, model, config, self.pg, self.device, self.dtype, optimizer)
         self._close_nvme = built.close_nvme
         self.units, self.states = built.units, built.states

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("offload.runtime",)),
     ("checkpoint", ("offload.checkpoint",)),
     ("plan", ("offload.plan",)),
-    ("api", ("offload.engine", "offload.meta_init", "offload")),
+    ("api", ("offload.engine", "offload.meta_init", "offload.checkpointing", "offload")),
     ("compat", ("offload.compat",)),
     ("integrations", ("offload.integrations",)),
 ]

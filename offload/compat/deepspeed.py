@@ -37,10 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 import offload
+from offload.compat.deepspeed_checkpointing import checkpointing
 from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
            "utils", "is_compile_supported"]
 
 logger = logging.getLogger("offload")
@@ -578,3 +579,4 @@ def _safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 utils = types.SimpleNamespace(safe_get_full_grad=_safe_get_full_grad)
 """`deepspeed.utils`: `safe_get_full_grad` (-> `engine.full_grad`)."""
+

@@ -12,6 +12,7 @@ from offload.config.checks import ConfigError, ConfigTypeError, DeepSpeedConfigW
 from offload.config.load import load_config, read_config_file
 from offload.config.sections import (
     SCHEDULER_PARAMS,
+    ActivationCheckpointingConfig,
     AIOConfig,
     Config,
     CSVMonitorConfig,
@@ -32,4 +33,5 @@ __all__ = [
     "AIOConfig", "PrefetchConfig", "TimelineConfig", "LoggingConfig", "MonitorsConfig",
     "TensorBoardConfig", "WandbConfig", "CSVMonitorConfig", "ConfigError", "ConfigTypeError",
     "DeepSpeedConfigWarning", "load_config", "read_config_file", "SCHEDULER_PARAMS",
+    "ActivationCheckpointingConfig",
 ]

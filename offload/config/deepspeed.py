@@ -58,6 +58,7 @@ from offload.config.sections import (
     PrecisionConfig,
     PrefetchConfig,
     SchedulerConfig,
+    ActivationCheckpointingConfig,
 )
 
 __all__ = ["translate_deepspeed", "DS_ONLY_TOP_KEYS"]
@@ -142,6 +143,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _batch(t, _world_size_now() if world_size is None else world_size)
     _aio(t)
     _logging(t)
+    _activation_checkpointing(t)
     try:
         sections = {"offload": OffloadConfig(**t.sections["offload"]),
                     "optimizer": OptimizerConfig(**t.sections["optimizer"]),
@@ -149,7 +151,9 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
                     "aio": AIOConfig(**t.sections["aio"]),
                     "prefetch": PrefetchConfig(**t.sections["prefetch"]),
                     "logging": LoggingConfig(**t.sections["logging"]),
-                    "monitors": MonitorsConfig(**t.sections["monitors"])}
+                    "monitors": MonitorsConfig(**t.sections["monitors"]),
+                    "activation_checkpointing": ActivationCheckpointingConfig(
+                        **t.sections["activation_checkpointing"])}
         config = Config(scheduler=scheduler, ignored_keys=tuple(sorted(t.ignored)),
                         notes=tuple(t.notes), **sections, **t.sections["top"])
     except ConfigError as e:
@@ -440,3 +444,34 @@ def _logging(t: Translation) -> None:
             del block["output_path"]
         if block:
             t.set(f"monitors.{ours}", block, ds_name)
+
+
+_ACTIVATION_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                    "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
+
+
+def _activation_checkpointing(t: Translation) -> None:
+    """DeepSpeed's activation_checkpointing block (deepspeed.checkpointing's settings) ->
+    offload's activation_checkpointing section (offload.checkpointing)."""
+    block = read_section("activation_checkpointing", t.ds.get("activation_checkpointing"), _ACTIVATION_KEYS)
+    if block.get("cpu_checkpointing"):
+        t.set("activation_checkpointing.cpu_offload", True, "activation_checkpointing.cpu_checkpointing")
+        if not block.get("partition_activations"):
+            t.notes.append(
+                "activation_checkpointing.cpu_checkpointing is honoured without "
+                "partition_activations (DeepSpeed offloads only partitioned checkpoints): "
+                "offload.checkpointing.checkpoint keeps every checkpointed region's inputs in "
+                "host memory")
+    elif "cpu_checkpointing" in block:
+        t.set("activation_checkpointing.cpu_offload", False, "activation_checkpointing.cpu_checkpointing")
+    for name, why in (
+        ("partition_activations", "DeepSpeed splits checkpoints across model-parallel ranks; "
+                                  "offload has data parallelism only: each rank's activations are "
+                                  "its own micro-batch's, nothing to partition"),
+        ("contiguous_memory_optimization", "host copies are one pinned buffer per tensor"),
+        ("number_checkpoints", "only used by contiguous_memory_optimization"),
+        ("synchronize_checkpoint_boundary", "offload synchronizes only where a copy is needed"),
+        ("profile", "use torch.profiler around the step"),
+    ):
+        if name in block:
+            t.ignore(f"activation_checkpointing.{name}", why)

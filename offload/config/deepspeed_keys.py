@@ -29,7 +29,7 @@ TOP_MAPPED = frozenset({
     "zero_optimization", "aio", "data_types", "gradient_allreduce_op", "torch_autocast",
     "managed_gradient_accumulation", "sequence_parallel_size", "hybrid_engine",
     "data_efficiency", "tensor_parallel", "steps_per_print", "wall_clock_breakdown",
-    "tensorboard", "wandb", "csv_monitor",
+    "tensorboard", "wandb", "csv_monitor", "activation_checkpointing",
 })
 
 TOP_IGNORED = {
@@ -52,7 +52,6 @@ TOP_IGNORED = {
     "gradient_predivide_factor": "where the 1/world_size division happens; the mean is the same",
     "communication_data_type": "offload reduce-scatters gradients in its own dtype",
     "seq_parallel_communication_data_type": "offload has no sequence parallelism",
-    "activation_checkpointing": "only affects deepspeed.checkpointing; use torch.utils.checkpoint",
     "checkpoint": "checkpoint I/O options of DeepSpeed's engine",
     "dataloader_drop_last": "only offload.compat.deepspeed.initialize builds a data loader (and honours it); offload.initialize builds none",
     "disable_python_gc": "runtime detail",
@@ -75,7 +74,8 @@ TOP_REMOVED = frozenset({
 """deepspeed/runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS (0.19)."""
 
 _SHARED_TOP_KEYS = frozenset({"optimizer", "scheduler", "aio", "gradient_clipping",
-                              "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"})
+                              "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+                              "activation_checkpointing"})
 
 DS_ONLY_TOP_KEYS = (TOP_MAPPED | frozenset(TOP_IGNORED) | frozenset(TOP_UNSUPPORTED)
                     | TOP_REMOVED) - _SHARED_TOP_KEYS
@@ -89,7 +89,7 @@ class Translation:
     ds: Mapping[str, Any]
     sections: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         name: {} for name in ("offload", "optimizer", "precision", "aio", "prefetch", "logging",
-                              "monitors", "top")})
+                              "monitors", "activation_checkpointing", "top")})
     ignored: dict[str, str] = field(default_factory=dict)
     """DeepSpeed key path -> why it is not honoured."""
     notes: list[str] = field(default_factory=list)

@@ -49,6 +49,7 @@ __all__ = [
     "TensorBoardConfig",
     "WandbConfig",
     "CSVMonitorConfig",
+    "ActivationCheckpointingConfig",
     "SCHEDULER_PARAMS",
 ]
 
@@ -422,6 +423,18 @@ class MonitorsConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig(Section):
+    _SECTION: ClassVar[str] = "activation_checkpointing"
+
+    cpu_offload: bool = False
+    """`offload.checkpointing.checkpoint` keeps each checkpointed region's inputs in pinned
+    host memory from its forward to its recomputation, brought back ahead of it on a side
+    stream (ZeRO-R's CPU checkpointing; DeepSpeed's `cpu_checkpointing`). On a GPU the
+    device then holds no checkpointed activation between forward and backward; on the CPU
+    it saves nothing (offload/runtime/activations.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config(Section):
     _SECTION: ClassVar[str] = ""
     _NOT_LOADED: ClassVar[frozenset[str]] = frozenset({"ignored_keys", "notes"})
@@ -435,6 +448,8 @@ class Config(Section):
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
     gradient_clipping: float = 0.0
     """Global-norm gradient clipping threshold; 0 disables."""
     gradient_accumulation_steps: int = 1
