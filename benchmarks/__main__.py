@@ -21,8 +21,9 @@ from typing import Any, Optional
 from benchmarks._common import busy, load_average
 from benchmarks._report import render
 
-# The order users read them in: disk, optimizer, then whole training steps, then checkpoints.
-BENCHMARKS = ["bench_io", "bench_adam", "bench_train", "bench_checkpoint"]
+# The order users read them in: disk, optimizers (Adam, then Lion and Adagrad), then whole
+# training steps, then checkpoints.
+BENCHMARKS = ["bench_io", "bench_adam", "bench_optimizers", "bench_train", "bench_checkpoint"]
 
 # What --quick adds to a script's own --quick, so every plot has a line to draw: bench_io's
 # quick grid is one block size, and "bandwidth vs block size" needs three. (Arguments after

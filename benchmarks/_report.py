@@ -6,6 +6,7 @@ its question at a glance:
 
 - bench_io          sequential bandwidth vs block size, one line per contender and direction
 - bench_adam        Adam parameters/s vs threads, one line per contender (largest size run)
+- bench_optimizers  Lion and Adagrad parameters/s per contender against the roofline
 - bench_train       step time by tier (the engine's placements next to the peers)
 - bench_checkpoint  save / load GB/s by optimizer tier, next to the disk and torch.save/load
 
@@ -225,6 +226,31 @@ def _plot_adam(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
     return f"Adam step throughput vs threads, {size:g} M params (dotted: roofline per byte count)"
 
 
+def _plot_optimizers(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
+    """Horizontal bars of M params/s per contender at the largest size and thread count, ours
+    in blue, peers in grey; the dotted lines are the roofline at 20 B/param (fp32) and
+    16 B/param (bf16 state), the measured GB/s over those bytes."""
+    size = max(r["params_M"] for r in rows)
+    threads = max(r["threads"] for r in rows if r["params_M"] == size)
+    case = [r for r in rows if r["params_M"] == size and r["threads"] == threads]
+    roof = next((r for r in case if r["contender"] == "roofline"), None)
+    pts = [(r["contender"], _number(r.get("Mparam/s"))) for r in case if r["contender"] != "roofline"]
+    pts = [(c, v) for c, v in pts if v is not None]
+    if not pts:
+        return None
+    colors = ["tab:blue" if " ours " in c else "tab:gray" for c, _ in pts]
+    ax.barh(range(len(pts)), [v for _, v in pts], color=colors)
+    ax.set_yticks(range(len(pts)), [c for c, _ in pts], fontsize="small")
+    ax.invert_yaxis()
+    if roof is not None:
+        gb_s = roof["Mparam/s"] * roof.get("B/param", 20)
+        for nbytes, style in ((20, ":"), (16, "--")):
+            ax.axvline(gb_s / nbytes, color="black", linestyle=style, alpha=0.6,
+                       label=f"roofline at {nbytes} B/param")
+    ax.set_xlabel("M params / s (median; higher is better)")
+    return f"Lion and Adagrad steps, {size:g} M params, {threads} threads"
+
+
 # Where each bench_train contender keeps parameters and optimizer state.
 _TRAIN_TIERS = {
     "torch": "plain PyTorch (all on compute device)",
@@ -289,6 +315,7 @@ def _plot_declared(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
 _PLOTS: dict[str, Callable[[list[dict], Result, Any], Optional[str]]] = {
     "bench_io": _plot_io,
     "bench_adam": _plot_adam,
+    "bench_optimizers": _plot_optimizers,
     "bench_train": _plot_train,
     "bench_checkpoint": _plot_checkpoint,
 }

@@ -1,5 +1,5 @@
-// The one extension module, offload._C. Only binding here; logic lives in csrc/aio and
-// csrc/adam. Native exceptions become Python ones with errno and filename set.
+// The one extension module, offload._C. Only binding here; logic lives in csrc/aio,
+// csrc/adam and csrc/optim. Native exceptions become Python ones with errno and filename set.
 #include <pybind11/pybind11.h>
 
 #include <cerrno>
@@ -28,7 +28,7 @@ void register_common(py::module_& m) {
 }  // namespace offload
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "offload native core: async O_DIRECT I/O and SIMD CPU Adam (no torch linkage).";
+  m.doc() = "offload native core: async O_DIRECT I/O and SIMD CPU Adam, Lion, Adagrad (no torch linkage).";
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -48,5 +48,6 @@ PYBIND11_MODULE(_C, m) {
   offload::register_common(m);
   offload::register_aio(m);
   offload::register_adam(m);
+  offload::register_one_state(m);
   offload::register_checksum(m);
 }

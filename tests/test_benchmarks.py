@@ -120,3 +120,27 @@ def test_bench_train_ratio_direction_is_peer_time_over_ours():
     ours_s, peer_s = 0.5, 1.0
     assert ratio(peer_s, ours_s) == 2.0  # bench_train: peer's time / ours
     assert ratio(1 / ours_s, 1 / peer_s) == 2.0  # bench_io/adam/checkpoint: our rate / theirs
+
+
+def test_suite_runs_bench_optimizers_with_every_native_row_and_its_targets(tmp_path):
+    # 50K params, one thread, one round, no DeepSpeed (its JIT builds take a minute): the
+    # Lion and Adagrad rows reach the report with their ratios, the peers that did not run
+    # say why, and the targets line is printed.
+    out = suite(tmp_path, "--only", "bench_optimizers", "--extra", "--sizes", "0.05", "--threads", "1",
+                "--repeats", "1", "--no-deepspeed")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "suite.json").read_text())["results"]["bench_optimizers"]
+    got = {r["contender"]: r for r in result["rows"]}
+    for opt in ("lion", "adagrad"):
+        for kind in ("fp32", "bf16 g+out", "bf16 state"):
+            row = got[f"{opt} ours {kind}"]
+            assert row["Mparam/s"] > 0 and row["vs roofline"] > 0 and row["vs best peer"] > 0
+    assert got["lion ours fp32"]["best peer"] == "lion torch foreach"  # DeepSpeed skipped
+    assert got["adagrad ours fp32"]["best peer"] in ("adagrad torch foreach", "adagrad torch fused")
+    assert result["peers_missing"] == {"DeepSpeedCPULion": "deepspeed: skipped (--no-deepspeed)",
+                                       "DeepSpeedCPUAdagrad": "deepspeed: skipped (--no-deepspeed)"}
+    assert any("lion" in t and "adagrad" in t and "of roofline" in t for t in result["targets"])
+    report = (tmp_path / "report.md").read_text()
+    assert "## bench_optimizers" in report and "| lion ours fp32 | 20 |" in report
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "bench_optimizers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

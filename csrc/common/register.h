@@ -9,5 +9,6 @@ namespace offload {
 void register_common(pybind11::module_& m);
 void register_aio(pybind11::module_& m);
 void register_adam(pybind11::module_& m);
+void register_one_state(pybind11::module_& m);  // Lion, Adagrad (csrc/optim)
 void register_checksum(pybind11::module_& m);
 }  // namespace offload

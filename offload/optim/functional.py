@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from typing import Optional
 
 import torch
 
 from offload._native import C
-
-# dtype codes of the native binding (csrc/adam/adam.h, DType).
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
-_ISAS = ("auto", "scalar", "portable", "avx2", "avx512")
-ISA_ENV = "OFFLOAD_ADAM_ISA"
-"""The environment variable that forces the kernel of every Adam step in the process (and
-in the processes it starts): how a test or a user reproduces another CPU's code path, as
-ATEN_CPU_CAPABILITY does for torch's own kernels. Unset or 'auto': the best this CPU runs."""
+from offload.optim.flat_args import (
+    DTYPE_CODE,
+    GRAD_DTYPES,
+    OUT_DTYPES,
+    STATE_DTYPES,
+    check_isa_and_threads,
+    check_no_overlap,
+    check_same_numel,
+    check_step,
+    check_tensor,
+    forced_isa,
+)
 
 
 def adam_step_flat_reference(
@@ -112,10 +112,10 @@ def adam_step_flat(
     the thread count (None: the default of `set_num_threads`). Results do not depend on
     either. The GIL is released while the update runs.
     """
-    _check_tensor("master", master, (torch.float32,))
-    _check_tensor("grad", grad, _GRAD_DTYPES)
-    _check_tensor("exp_avg", exp_avg, _MOMENT_DTYPES)
-    _check_tensor("exp_avg_sq", exp_avg_sq, _MOMENT_DTYPES)
+    check_tensor("master", master, (torch.float32,))
+    check_tensor("grad", grad, GRAD_DTYPES)
+    check_tensor("exp_avg", exp_avg, STATE_DTYPES)
+    check_tensor("exp_avg_sq", exp_avg_sq, STATE_DTYPES)
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(
             f"exp_avg is {exp_avg.dtype} but exp_avg_sq is {exp_avg_sq.dtype}; both moments "
@@ -123,25 +123,12 @@ def adam_step_flat(
         )
     named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out_lowp is not None:
-        _check_tensor("out_lowp", out_lowp, _OUT_DTYPES)
+        check_tensor("out_lowp", out_lowp, OUT_DTYPES)
         named.append(("out_lowp", out_lowp))
-    n = master.numel()
-    for name, t in named[1:]:
-        if t.numel() != n:
-            raise ValueError(
-                f"{name} has {t.numel()} elements but master has {n}; all buffers of one "
-                "update must cover the same elements"
-            )
-    _check_no_overlap(named)
-    step_int = _check_step(step)
-    if isa is None:
-        isa = _forced_isa()
-    elif isa not in _ISAS:
-        raise ValueError(f"isa={isa!r} is not a kernel name; choose one of {_ISAS} or None")
-    if threads is None:
-        threads = 0
-    elif not isinstance(threads, numbers.Integral) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads={threads!r} must be an int >= 1, or None for the default")
+    n = check_same_numel(named)
+    check_no_overlap(named)
+    step_int = check_step(step)
+    isa, threads = check_isa_and_threads(isa, threads)
     if n == 0:
         return
     C.adam_step(
@@ -151,9 +138,9 @@ def adam_step_flat(
         exp_avg_sq.data_ptr(),
         out_lowp.data_ptr() if out_lowp is not None else 0,
         n,
-        _DTYPE_CODE[grad.dtype],
-        _DTYPE_CODE[exp_avg.dtype],
-        _DTYPE_CODE[out_lowp.dtype] if out_lowp is not None else -1,
+        DTYPE_CODE[grad.dtype],
+        DTYPE_CODE[exp_avg.dtype],
+        DTYPE_CODE[out_lowp.dtype] if out_lowp is not None else -1,
         step_int,
         float(lr),
         float(beta1),
@@ -163,33 +150,14 @@ def adam_step_flat(
         bool(decoupled_weight_decay),
         float(grad_scale),
         isa,
-        int(threads),
+        threads,
     )
-
-
-def _forced_isa() -> str:
-    """The kernel OFFLOAD_ADAM_ISA names ('auto' when unset), checked against this CPU."""
-    name = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
-    if name == "auto":
-        return name
-    if name not in _ISAS:
-        raise ValueError(
-            f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not an Adam kernel; set it to one of "
-            f"{', '.join(_ISAS)}, or unset it"
-        )
-    supported = supported_isas()
-    if name not in supported:
-        raise ValueError(
-            f"{ISA_ENV}={name!r}: this CPU cannot run the {name} Adam kernel; it runs "
-            f"{', '.join(supported)} (unset {ISA_ENV} for the best, {C.adam_isa()!r})"
-        )
-    return name
 
 
 def adam_isa() -> str:
     """The kernel `adam_step_flat` uses by default in this process: the best this CPU
     supports ('avx512', 'avx2' or 'portable'), or the one OFFLOAD_ADAM_ISA forces."""
-    forced = _forced_isa()
+    forced = forced_isa()
     return C.adam_isa() if forced == "auto" else forced
 
 
@@ -208,52 +176,3 @@ def set_num_threads(threads: int) -> None:
     if not isinstance(threads, numbers.Integral) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f"threads={threads!r} must be an int >= 1")
     C.set_adam_num_threads(int(threads))
-
-
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(
-            f"{name} has layout {t.layout}; the CPU Adam updates dense tensors only "
-            "(convert with .to_dense(), or use torch.optim.SparseAdam for sparse gradients)"
-        )
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{name} is on {t.device}; the CPU Adam works on CPU tensors (pinned memory is "
-            "fine): move it with .cpu() or keep the optimizer state on the host"
-        )
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {t.dtype}; expected one of: {allowed}")
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); the "
-            "update runs over flat memory in place, so pass a contiguous tensor (a "
-            ".contiguous() copy would not see the update)"
-        )
-
-
-def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
-    """No two buffers may share memory: the kernel writes four of them in place."""
-    spans = []
-    for name, t in named:
-        if t.numel():
-            start = t.data_ptr()
-            spans.append((start, start + t.numel() * t.element_size(), name))
-    spans.sort()
-    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise ValueError(
-                f"{n0} and {n1} share memory; every buffer of an Adam update must be distinct"
-            )
-
-
-def _check_step(step: object) -> int:
-    if isinstance(step, torch.Tensor):
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real) or step != int(step):
-        raise ValueError(f"step={step!r} must be a whole number (the count after this update)")
-    if step < 1:
-        raise ValueError(f"step={step!r} must be >= 1 (the step count after this update)")
-    return int(step)
