@@ -57,7 +57,7 @@ from transformers import Trainer
 import offload
 from offload.integrations.hf.trainer_config import adamw_groups, engine_config
 
-__all__ = ["OffloadTrainer"]
+__all__ = ["OffloadTrainer", "OffloadTrainerMixin"]
 
 _LATEST = "latest"
 
@@ -136,12 +136,13 @@ class _EngineSchedule:
         return getattr(self.__dict__["scheduler"], name)
 
 
-class OffloadTrainer(Trainer):
-    """`transformers.Trainer` whose model trains under the offload engine; see the module
-    docstring. `offload_config`: an `offload.Config`, a dict or a JSON/YAML path (offload's
-    format or a DeepSpeed config with "auto" values); None: `args.deepspeed`, else the
-    defaults. Every other argument is the Trainer's. `trainer.engine` is the engine once
-    training (or evaluation) started."""
+class OffloadTrainerMixin:
+    """The engine underneath any `transformers.Trainer` subclass (module docstring):
+    `class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer): pass`. It goes first in
+    the bases, so that its methods wrap the trainer's. `offload_config`: an `offload.Config`,
+    a dict or a JSON/YAML path (offload's format or a DeepSpeed config with "auto" values);
+    None: `args.deepspeed`, else the defaults. Every other argument is the trainer's.
+    `trainer.engine` is the engine once training (or evaluation) started."""
 
     def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any,
                  offload_config: Any = None, **kwargs: Any) -> None:
@@ -309,6 +310,11 @@ class OffloadTrainer(Trainer):
         best = self.state.best_model_checkpoint
         _check_engine_checkpoint(best)
         self._engine_or_raise("load_best_model_at_end").load_checkpoint(best)
+
+
+class OffloadTrainer(OffloadTrainerMixin, Trainer):
+    """`transformers.Trainer` with the offload engine underneath: a Trainer script switches
+    by changing the class name and passing `offload_config=` (OffloadTrainerMixin)."""
 
 
 def _is_peft(model: Any) -> bool:
