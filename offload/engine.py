@@ -5,23 +5,11 @@
     engine.backward(loss)
     engine.step()               # optimizer step at accumulation boundaries
 
-What happens underneath (docs/engine.md has the full story, docs/architecture.md the
-layers):
-- `offload.runtime.build` cuts the model into units (`offload.units`), flattens each unit's
-  parameters into one buffer sharded over ranks, makes the parameter tier and the
-  optimizer-state store (`offload.storage`), fills the fp32 masters and replaces the
-  module's parameters by views into the units' full buffers, which exist only while
-  gathered.
-- Module hooks drive everything, as FSDP2's `fully_shard` does. The Engine only wires them
-  to the collaborator that owns each piece of state: the `Gatherer` (runtime/gather.py)
-  gathers a unit when its forward or backward needs it, following the prefetch schedule;
-  the `BackwardTracker` (runtime/backward.py) follows the backward pass and reduce-scatters
-  each unit's gradients into the rank's fp32 shard as soon as backward has left the unit;
-  the `StepPolicy` (runtime/optimizer_step.py) owns counters, loss scale and the updates,
-  at the step or during backward.
-- NVMe tiers (docs/nvme.md): what the machine must offer is checked at `initialize`, and
-  the swap files are deleted by `close()` (also on `with` exit and by a finalizer at
-  garbage collection or interpreter exit).
+What happens underneath is in docs/engine.md and docs/architecture.md: `runtime.build`
+makes the units, tiers and optimizer state; module hooks ask the collaborator that owns each
+piece of state (the `Gatherer`, the `BackwardTracker`, the `StepPolicy`); NVMe swap files
+are checked at `initialize` and deleted by `close()` (also on `with` exit, at garbage
+collection and at interpreter exit).
 """
 
 from __future__ import annotations
