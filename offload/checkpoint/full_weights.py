@@ -1,9 +1,10 @@
 """The model's full fp32 weights, unit by unit: the one path behind consolidation and
 `engine.full_state_dict()`.
 
-Both need the same thing: for every unit, its full flat fp32 master (all ranks' shards
-joined), and every parameter's slice of it under each of its `model.state_dict()` names
-(tied parameters have several). They differ only in where the flat unit comes from and
+Both need the same thing: for every unit, its full flat values in fp32 (all ranks' shards
+joined: the fp32 masters, and the frozen parameters' values from the parameter shards, cast
+up), and every parameter's slice of it under each of its `model.state_dict()` names (tied
+parameters have several). They differ only in where the flat unit comes from and
 where the slices go, so `stream_full_weights` takes both as arguments:
 
 - a *source* calls `emit(unit_index, flat)` once per unit, in order, with a 1-D fp32 tensor
@@ -21,7 +22,7 @@ chunks) beside whatever the sink keeps, whatever the model's size.
 
 The way back in, `load_full_state_dict` (`engine.load_full_state_dict()`), lives here too:
 it takes such a dict and writes each rank's slice of it into the masters and parameter
-shards, unit by unit.
+shards (a frozen parameter's into its parameter shard only), unit by unit.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def unit_numel(unit: dict[str, Any]) -> int:
 
 
 def engine_units(sharded: ShardedState, keep: bool = True) -> Source:
-    """A live engine's units: each rank's fp32 master shard, read through
-    `ShardedAdam.unit_state` (NVMe: one unit in host memory at a time) and joined by an
+    """A live engine's units: each rank's shard in fp32 - its master, read through
+    `ShardedAdam.unit_state` (NVMe: one unit in host memory at a time), and the frozen
+    values of its parameter shard cast up (`FlatUnit.shard_values`) - joined by an
     all-gather at world size > 1. Every rank must run it; `keep=False` emits None (the
     rank takes part in the gathers only)."""
     import offload.units.collectives as _dist
@@ -85,7 +87,7 @@ def engine_units(sharded: ShardedState, keep: bool = True) -> Source:
     def run(emit: Emit) -> None:
         for unit in sharded.units:
             with sharded.optimizer.unit_state(unit.index) as state:
-                master = state["master"]
+                master = unit.shard_values(state["master"])
                 if sharded.world_size == 1:
                     full = master
                 else:
@@ -99,8 +101,9 @@ def engine_units(sharded: ShardedState, keep: bool = True) -> Source:
 
 
 def checkpoint_units(path: str, saved: dict[str, Any], window: int = DEFAULT_WINDOW) -> Source:
-    """A checkpoint's units: each unit's flat master assembled from every rank file (chunk
-    CRCs verified), reads running ahead while the previous unit is emitted."""
+    """A checkpoint's units: each unit's flat values in fp32 assembled from every rank file
+    (its masters, and the frozen values cast up; chunk CRCs verified), reads running ahead
+    while the previous unit is emitted."""
     from offload.storage.io import AIOHandle
 
     units = {u["index"]: u for u in saved["model"]["units"]}
@@ -111,9 +114,15 @@ def checkpoint_units(path: str, saved: dict[str, Any], window: int = DEFAULT_WIN
 
         def groups():
             for index, unit in units.items():
-                full = torch.empty(unit_numel(unit), dtype=torch.float32)  # gaps zeroed by assemble_jobs
+                n = unit_numel(unit)
+                full = torch.empty(n, dtype=torch.float32)  # gaps zeroed by assemble_jobs
                 pending[index] = full
-                yield index, assemble_jobs(records, unit, "master", 0, full, saved["chunk_bytes"], index)
+                jobs = []
+                for name, lo, hi in manifest.value_records(unit):  # masters, frozen values
+                    if lo < min(hi, n):
+                        jobs += assemble_jobs(records, unit, name, lo, full[lo : min(hi, n)],
+                                              saved["chunk_bytes"], index)
+                yield index, jobs
 
         handle = AIOHandle()
         try:
@@ -200,8 +209,7 @@ def load_full_state_dict(
             buffer.copy_(torch.as_tensor(value).to(buffer.dtype))
     for ui, unit in enumerate(sharded.units):
         # One unit at a time: on NVMe its state is read, changed and written back (only
-        # when a value was given for it; every unit's shard is republished regardless).
+        # when a value was given for it; every unit's shard is republished regardless). A
+        # frozen parameter's value goes to the parameter shard, the only place it lives.
         with sharded.optimizer_states.open(ui, write=ui in per_unit) as t:
-            for si, value in per_unit.get(ui, ()):
-                sharded.write_master_slot(ui, si, value, t.master)
-            unit.publish(t.master)
+            unit.write_slots(per_unit.get(ui, ()), t.master)

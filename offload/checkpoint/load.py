@@ -7,7 +7,9 @@ elements [rank * shard_numel, (rank + 1) * shard_numel) of the flat unit, taken 
 whichever saved ranks held them (one when the world size is unchanged; any number when it
 differs, since offsets are world-size independent and only the cut moves). Each chunk's
 CRC is checked as it lands; a unit is handed to `ShardedAdam.load_unit_state` as soon as
-its last chunk is in, so at most a unit or two of state is in RAM. Per-parameter step
+its last chunk is in, so at most a unit or two of state is in RAM. The values of frozen
+parameters (which have no master) are read into the parameter shard's frozen suffix the
+same way and published with it. Per-parameter step
 counts are mapped by name. Finally the small state: counters, loss scaler, scheduler,
 optimizer hyperparameters, buffers and RNG states.
 
@@ -141,7 +143,7 @@ def load_units(
                 with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
                     dest = {name: live[name] for name in ("master", "exp_avg", "exp_avg_sq")}
-                _check_live(unit, dest, layout.shard_numel, n_opt)
+                _check_live(unit, dest, unit.master_numel, n_opt)
             else:
                 t = sharded.optimizer.begin_overwrite(unit.index)
                 if t is None:
@@ -158,6 +160,14 @@ def load_units(
             jobs: list[ReadJob] = []
             for name, t in dest.items():
                 jobs += assemble_jobs(records, old, name, lo, t, saved["chunk_bytes"], unit.index)
+            if unit.frozen_numel:
+                # Frozen values go to the parameter shard: straight into it when it is host
+                # memory, else into a buffer `publish` stores. A version-1 checkpoint holds
+                # them in its masters (`manifest.value_records`).
+                frozen = dest["frozen"] = unit.frozen_buffer()
+                name = "frozen" if "master_end" in old else "master"
+                jobs += assemble_jobs(records, old, name, lo + unit.master_numel, frozen,
+                                      saved["chunk_bytes"], unit.index)
             yield unit.index, jobs
 
     def on_done(index: int) -> None:
@@ -166,7 +176,8 @@ def load_units(
         steps = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         if index in slots:
             # read straight into the slot's buffer: one asynchronous write stores it
-            sharded.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None))
+            sharded.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None),
+                                            frozen=dest.get("frozen"))
             return
         dest["slot_steps"] = steps
         sharded.optimizer.load_unit_state(index, dest)
@@ -245,8 +256,8 @@ def state_in_host_memory(sharded: ShardedState) -> bool:
     return sharded.optimizer.store.resident
 
 
-def _check_live(unit: Any, dest: dict[str, torch.Tensor], shard_numel: int, n_opt: int) -> None:
-    for name, want in (("master", shard_numel), ("exp_avg", n_opt), ("exp_avg_sq", n_opt)):
+def _check_live(unit: Any, dest: dict[str, torch.Tensor], n_master: int, n_opt: int) -> None:
+    for name, want in (("master", n_master), ("exp_avg", n_opt), ("exp_avg_sq", n_opt)):
         t = dest[name]
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != want:
             raise RuntimeError(

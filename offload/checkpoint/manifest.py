@@ -26,9 +26,15 @@ from offload.checkpoint.files import MANIFEST
 from offload.checkpoint.shards import CheckpointCorruptError
 from offload.dtypes import name_of
 from offload.runtime.view import Location, ShardedState
+from offload.units.layout import FROZEN_GROUP
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: a unit's master covers its shard only up to its frozen parameters, whose values are
+saved from the parameter shard in the compute dtype (record "frozen"; [Note: frozen
+parameters cost their shard only] in offload/units/layout.py). Version 1 (masters over
+whole shards, frozen values in them) still loads: see `value_records`."""
+READABLE = (1, 2)
 
 
 def model_signature(sharded: ShardedState) -> dict[str, Any]:
@@ -42,6 +48,7 @@ def model_signature(sharded: ShardedState) -> dict[str, Any]:
             "padded_numel": layout.padded_numel,
             "shard_numel": layout.shard_numel,
             "optimized_numel": layout.optimized_numel,
+            "master_end": layout.master_end,
             "slots": [
                 {"name": s.name, "shape": list(s.shape), "group": s.group,
                  "offset": s.offset, "numel": s.numel}
@@ -61,6 +68,16 @@ def model_signature(sharded: ShardedState) -> dict[str, Any]:
         else:
             keys.append({"key": key, "kind": "other"})
     return {"units": units, "state_dict": keys}
+
+
+def value_records(saved_unit: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """Where a saved unit's parameter values lie: (record name, flat start, flat end) runs
+    of its flat buffer. Version 2: "master" (fp32) up to `master_end`, then "frozen" (the
+    parameter shards' frozen suffixes, compute dtype); version 1 (no `master_end`): the
+    masters hold every value."""
+    end = saved_unit["padded_numel"]
+    split = saved_unit.get("master_end", end)
+    return [(name, lo, hi) for name, lo, hi in (("master", 0, split), ("frozen", split, end)) if lo < hi]
 
 
 def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -117,10 +134,10 @@ def read(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointCorruptError(
             errno.EIO, f"{path!r} is not an offload checkpoint manifest", path
         )
-    if data.get("version") != VERSION:
+    if data.get("version") not in READABLE:
         raise ValueError(
-            f"{path!r} has format version {data.get('version')}; this offload reads version "
-            f"{VERSION}: load it with the offload release that wrote it"
+            f"{path!r} has format version {data.get('version')}; this offload reads versions "
+            f"{', '.join(map(str, READABLE))}: load it with the offload release that wrote it"
         )
     return data
 
@@ -190,8 +207,19 @@ def check_compatible(saved: dict[str, Any], sharded: ShardedState) -> None:
             f"checkpoint units {[u['name'] for u in saved['model']['units']]} differ from this "
             f"engine's {[u['name'] for u in mine['units']]}: use the same unit_modules setting"
         )
+    version_1 = {u["name"] for u in saved["model"]["units"] if "master_end" not in u}
     for name, (unit, s) in new.items():
         ounit, o = old[name]
+        if (ounit in version_1 and o["group"] == s["group"] == FROZEN_GROUP
+                and o["offset"] != s["offset"]):
+            raise ValueError(
+                f"checkpoint {saved.get('tag')!r} was saved by an earlier offload (format version "
+                f"{saved.get('version')}), whose layout put frozen parameters right after the "
+                f"trained ones in a unit: parameter {name!r} of unit {unit!r} sits at offset "
+                f"{o['offset']} there and at {s['offset']} here. Its weights still load: "
+                "consolidate it (python -m offload.checkpoint consolidate CKPT OUT) and pass them "
+                "to engine.load_full_state_dict; its optimizer state cannot be carried over"
+            )
         if (ounit, o["offset"], o["group"]) != (unit, s["offset"], s["group"]):
             raise ValueError(
                 f"parameter {name!r} sits in unit {ounit!r} at offset {o['offset']} in optimizer "

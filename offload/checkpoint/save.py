@@ -3,8 +3,11 @@
 Per rank (all at once, no collective in the data path):
 - `rankNNNNN.shards`: for each unit in order, the fp32 master, exp_avg and exp_avg_sq of the
   rank's shard, read through `ShardedAdam.unit_state` (the contract the NVMe tier keeps, so
-  state on NVMe streams through the same bounded buffers) and written by `ShardWriter`
-  (O_DIRECT, checksummed, a few chunks in flight): never the whole state in RAM.
+  state on NVMe streams through the same bounded buffers), and "frozen": the frozen suffix
+  of the rank's parameter shard in the compute dtype (`FlatUnit.read_frozen`; the values
+  of frozen parameters, which have no master: [Note: frozen parameters cost their shard
+  only] in offload/units/layout.py), written by `ShardWriter` (O_DIRECT, checksummed, a
+  few chunks in flight): never the whole state in RAM.
 - `rankNNNNN.state`: small state as `torch.save` bytes: step counters, loss scaler,
   scheduler, optimizer hyperparameters, per-parameter step counts, RNG states (torch CPU,
   CUDA, python, numpy), model buffers, the user's `client_state`.
@@ -178,6 +181,7 @@ def _write_rank(
             state = states.open(index, writer, following=indices[i + 1 : i + 2])
             for name in _STATE_KEYS:
                 writer.write(index, name, state[name])
+            writer.write(index, "frozen", sharded.units[index].read_frozen())
             slot_steps[index] = [int(s) for s in state["slot_steps"]]
             # the workers read the state's tensors until then (NVMe: pooled buffers)
             writer.when_written(states.closer(index))
@@ -281,8 +285,8 @@ class _UnitStates:
 
 
 def _shards_bytes(sharded: ShardedState) -> int:
-    """The size of this rank's shard file: per unit, the master and the two moments, each
-    rounded up to 4 KiB (ShardWriter's layout)."""
+    """The size of this rank's shard file: per unit, the master, the two moments and the
+    frozen suffix, each rounded up to 4 KiB (ShardWriter's layout)."""
     from offload.optim.sharded import moments_dtype
     from offload.sizes import align_up
 
@@ -290,8 +294,9 @@ def _shards_bytes(sharded: ShardedState) -> int:
     total = 0
     for unit in sharded.units:
         layout = unit.layout
-        total += align_up(layout.shard_numel * 4)
+        total += align_up(unit.master_numel * 4)
         total += 2 * align_up(layout.shard_optimized_numel(sharded.rank) * m_size)
+        total += align_up(unit.frozen_numel * unit.dtype.itemsize)
     return total
 
 

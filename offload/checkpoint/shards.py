@@ -437,7 +437,7 @@ def assemble_jobs(
     dest: torch.Tensor, chunk_bytes: int, tag: Any = None,
 ) -> list[ReadJob]:
     """Jobs that fill `dest` with the flat elements [lo, lo + dest.numel()) of the saved
-    unit's tensor `name` ('master', 'exp_avg', 'exp_avg_sq'), from every saved rank whose
+    unit's tensor `name` ('master', 'exp_avg', 'exp_avg_sq', 'frozen'), from every saved rank whose
     part of the unit overlaps that range: one rank when the world size is unchanged, any
     number when re-sharding (docs/checkpoint.md, Another world size).
 
@@ -452,6 +452,8 @@ def assemble_jobs(
     for r, (path, by_key) in enumerate(records):
         record = by_key[(saved_unit["index"], name)]
         start = r * saved_shard
+        if name == "frozen":  # a rank's frozen suffix starts where its master ends
+            start += min(max(saved_unit["master_end"] - start, 0), saved_shard)
         a, b = max(lo, start), min(hi, start + record["numel"])
         if a < b:
             jobs += chunk_jobs(record, path, chunk_bytes, a - start, b - start, dest[a - lo : b - lo], tag)

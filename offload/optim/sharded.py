@@ -61,9 +61,12 @@ def host_state_bytes(nbytes: int) -> int:
 class UnitOptimizerState:
     """One unit's optimizer state on this rank.
 
-    master: fp32, the whole shard (frozen parameters too: full_state_dict reads it).
-    grad: fp32, the whole shard; reduce-scatter output, accumulated over micro-batches.
-        Always in host memory.
+    master: fp32, the shard's first `unit.master_numel` elements: up to its frozen
+        parameters, whose values live in the parameter shard only ([Note: frozen parameters
+        cost their shard only] in offload/units/layout.py). With fp32 compute on the CPU it
+        is a view of the parameter shard itself.
+    grad: fp32, as long as the master; reduce-scatter output, accumulated over
+        micro-batches. Always in host memory.
     exp_avg / exp_avg_sq: the shard's optimized prefix only (frozen parameters get none).
     With the optimizer tier on NVMe, master / exp_avg / exp_avg_sq are None: the state lives
     in the swap file and is reached through `ShardedAdam.unit_state` or the step.
@@ -147,8 +150,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self._threads = int(threads)
         self._staging: Optional[torch.Tensor] = None
         self._work = [
-            i for i, st in enumerate(self.unit_states)
-            if st.optimized_numel or _any_optimized(st.layout)
+            i for i, st in enumerate(self.unit_states) if st.layout.has_optimized
         ]
         """Units with something to optimize, in order (fixed by the layout)."""
         self._work_set = frozenset(self._work)
@@ -253,20 +255,21 @@ class ShardedAdam(torch.optim.Optimizer):
         unit = self.unit_states[index].unit
         if self.param_tier.addressable or unit.dtype == torch.float32:
             return 0
-        return align_up(unit.layout.shard_numel * unit.full.element_size())
+        return align_up(unit.master_numel * unit.full.element_size())
 
     def _lowp_target(self, st: UnitOptimizerState, t: UnitTensors) -> Optional[torch.Tensor]:
         """Where the updated low-precision parameters go: the tier's shard itself when it is
         host memory, the step's pooled scratch when the tier is NVMe, else a host staging
-        buffer copied to the tier after the update; None when the parameter shard is the
-        fp32 master itself (or fp32 is stored by copy)."""
+        buffer copied to the tier after the update (these two only as long as the master:
+        the frozen suffix is never written); None when the parameter shard is the fp32
+        master itself (or fp32 is stored by copy)."""
         unit = st.unit
         if unit.dtype == torch.float32:
             return None
         shard = self.param_tier.view(unit.key)
         if shard is not None and shard.device.type == "cpu":
             return shard
-        n = unit.layout.shard_numel
+        n = unit.master_numel
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
         if self._staging is None or self._staging.numel() < n or self._staging.dtype != unit.dtype:
@@ -294,7 +297,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # any other is re-gathered from the updated shard before its next use.
 
     def _store(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor) -> None:
-        handle = self.param_tier.store(unit.key, src)
+        handle = self.param_tier.store_prefix(unit.key, src)  # the master's part of the shard
         if t.owns(src):
             t.hold(handle)  # written from the pipeline's buffer: it outlives the write
         else:
@@ -304,7 +307,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def unit_state(self, index: int) -> Iterator[dict[str, Any]]:
         """This rank's optimizer state of unit `index`, as host tensors, for reading.
 
-        Yields {"master", "exp_avg", "exp_avg_sq": 1-D host tensors, "slot_steps": list}.
+        Yields {"master", "exp_avg", "exp_avg_sq": 1-D host tensors, "slot_steps": list}
+        (frozen values are in the parameter shard: `FlatUnit.read_frozen`).
         The tensors are valid only inside the context: a tier that keeps the state off-host
         (NVMe) reads it into pooled buffers and takes them back on exit. This is the one
         way checkpoints and consolidation read optimizer state, unit by unit, so a model
@@ -321,11 +325,12 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def load_unit_state(self, index: int, state: Mapping[str, Any]) -> None:
         """Overwrite unit `index`'s state (same keys as `unit_state`) and republish its
-        parameter shard from the new master. Shapes must match this engine's layout. With
-        the state on NVMe it is written through to the swap file."""
+        parameter shard from the new master, and its frozen suffix from `state["frozen"]`
+        when given (`FlatUnit.publish`). Shapes must match this engine's layout. With the
+        state on NVMe it is written through to the swap file."""
         st = self._state_of(index)
         want = {
-            "master": (st.layout.shard_numel,),
+            "master": (st.unit.master_numel,),
             "exp_avg": (st.optimized_numel,),
             "exp_avg_sq": (st.optimized_numel,),
         }
@@ -340,7 +345,7 @@ class ShardedAdam(torch.optim.Optimizer):
             for name in want:
                 getattr(t, name).copy_(state[name])
             st.slot_steps = [int(s) for s in state["slot_steps"]]
-            st.unit.publish(t.master)
+            st.unit.publish(t.master, state.get("frozen"))
 
     def begin_overwrite(self, index: int) -> Optional[UnitTensors]:
         """For a loader that fills unit `index`'s whole state itself: the tensors to fill
@@ -353,9 +358,10 @@ class ShardedAdam(torch.optim.Optimizer):
     def end_overwrite(
         self, index: int, t: UnitTensors, slot_steps: Any,
         adopt_from: Optional[tuple[str, dict[str, int]]] = None,
+        frozen: Optional[torch.Tensor] = None,
     ) -> None:
         """Finish `begin_overwrite`: step counts, the parameter shard republished from the
-        new master, the state written to the swap file (asynchronously) — or, with
+        new master (and `frozen`, its frozen suffix, when given), the state written to the swap file (asynchronously) — or, with
         `adopt_from` (a file and where each tensor starts in it: the bytes `t` was read
         from), left there and read from it until the unit's next write
         ([Note: adopted state] in offload/storage/optim_state.py)."""
@@ -365,7 +371,7 @@ class ShardedAdam(torch.optim.Optimizer):
             raise ValueError(f"unit {st.unit.name or '<root>'}: {len(slot_steps)} step counts for {len(st.slot_steps)} slots")
         st.slot_steps = [int(v) for v in slot_steps]
         try:
-            st.unit.publish(t.master)
+            st.unit.publish(t.master, frozen)
         except BaseException:
             self.store.abandon(st.unit.index, t)
             raise
@@ -477,10 +483,6 @@ def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Any) -> N
             lowp[pos:end].copy_(master[pos:end])
         if run is not None:
             pos = run.end
-
-
-def _any_optimized(layout: UnitLayout) -> bool:
-    return any(s.group != FROZEN_GROUP for s in layout.slots)
 
 
 def moments_dtype(name: str) -> torch.dtype:

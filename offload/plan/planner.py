@@ -201,7 +201,8 @@ class Plan:
                 f"{self.machine.world_size} rank(s); gradient shards are kept in fp32 (4 B, not "
                 f"the {p} B the usual '16 B per parameter' figure counts)"
                 + ("; an fp32 parameter shard in host memory with the optimizer there is the "
-                   "master itself (4 B less)" if p == 4 else ""))
+                   "master itself (4 B less)" if p == 4 else "")
+                + f"; a frozen parameter: its {p} B parameter only")
 
 
 def plan(
@@ -266,7 +267,7 @@ def plan(
             per_node = per_node.max(node)
         work = working_bytes(spec, pt, p_bytes=p_bytes, on_gpu=on_gpu, world_size=ws)
         if transient:  # the fp32 gradient shards of the units between reduce and update
-            work += 2 * max((u.layout.shard_numel * 4 for u in spec.units if u.trainable), default=0)
+            work += 2 * max((u.layout.shard_master_numel(0) * 4 for u in spec.units), default=0)
         disk = disk_bytes_per_step(spec, pt, ot, p_bytes=p_bytes, world_size=ws)
         problems = _problems(machine, per_rank, per_node, work, pt, ot)
         estimates.append(PlacementEstimate(pt, ot, per_rank, per_node, work, disk,

@@ -38,7 +38,8 @@ __all__ = ["UnitSpec", "ModelSpec", "spec_from_model", "spec_from_count", "defau
 class UnitSpec:
     layout: UnitLayout
     trainable: bool
-    """Some parameter requires grad: the engine allocates an fp32 gradient shard."""
+    """Some parameter requires grad: autograd computes gradients for the unit (its fp32
+    gradient shard covers only what an optimizer group updates: `rank_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,13 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
                transient_grads: bool = False) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
-    The engine's rules, unit by unit (offload/engine.py `_build_units`, offload/optim/sharded.py):
-    - fp32 master: the whole shard; fp32 gradient shard: the whole shard if any parameter
-      of the unit is trainable; exp_avg and exp_avg_sq: the shard's optimized prefix, in
-      the moments dtype. Host memory, or (optimizer on NVMe) master and moments in the
+    The engine's rules, unit by unit (offload/runtime/build.py `_build_units`,
+    offload/optim/sharded.py, [Note: frozen parameters cost their shard only] in
+    offload/units/layout.py):
+    - fp32 master and fp32 gradient shard: the shard up to its frozen parameters
+      (`UnitLayout.shard_master_numel`: the whole shard when none is frozen, nothing when
+      none is optimized); exp_avg and exp_avg_sq: the shard's optimized prefix, in the
+      moments dtype. A frozen parameter costs its parameter shard only. Host memory, or (optimizer on NVMe) master and moments in the
       swap file, each rounded up to `offload.sizes.ALIGNMENT` (swap-file offsets and sizes
       are O_DIRECT-aligned), while the gradient shard stays in host memory (it is the
       reduce-scatter's target, accumulated over micro-batches) — except when the shards
@@ -146,7 +150,7 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
       backward on a CPU run): then none is held between steps (one unit's during
       backward, counted in the working set).
     - the parameter shard (compute dtype) in its tier; with fp32 compute and the shard in
-      host memory (a CPU run, or param_tier cpu) it *is* the master: no second buffer.
+      host memory (a CPU run, or param_tier cpu) the master is its prefix: one buffer.
     - gathered full buffers are freed between steps (at world size 1 with the shard on the
       compute device the full buffer is the shard: nothing more).
     - buffers: on the compute device.
@@ -163,10 +167,12 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
         layout = u.layout
         shard = layout.shard_numel
         opt = layout.shard_optimized_numel(rank)
-        master_b, moments_b = shard * 4, opt * m_bytes
-        grad_b = shard * 4 if u.trainable and not transient_grads else 0
+        master_b, moments_b = layout.shard_master_numel(rank) * 4, opt * m_bytes
+        grad_b = master_b if not transient_grads else 0
         host += grad_b
-        if optimizer_tier == "cpu":
+        if alias_master:  # one buffer: the fp32 shard, the master its prefix
+            host += host_state_bytes(shard * 4) + 2 * host_state_bytes(moments_b)
+        elif optimizer_tier == "cpu":
             host += host_state_bytes(master_b) + 2 * host_state_bytes(moments_b)
         else:
             nvme += align_up(master_b) + 2 * align_up(moments_b)
@@ -181,8 +187,8 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
             else:
                 host += shard_b
         if (p_bytes != 4 and param_tier == "device" and on_gpu and optimizer_tier == "cpu"
-                and any(s.group != FROZEN_GROUP for s in layout.slots)):
-            staging = max(staging, shard * p_bytes)
+                and layout.has_optimized):
+            staging = max(staging, layout.shard_master_numel(rank) * p_bytes)
     dev += spec.buffer_bytes
     host += staging
     pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0

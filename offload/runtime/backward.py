@@ -148,7 +148,10 @@ class BackwardTracker:
         `check(unit)` raises when the unit must not receive gradients now."""
         st = self.states[unit.index]
         t0 = now()
-        if st.grad.numel():
+        if not unit.layout.has_optimized:
+            for p in unit.params:  # nothing trains them: their gradients are not kept
+                p.grad = None
+        else:  # on every rank, also one whose part of the unit is frozen (no gradient shard)
             check(unit)
             if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
                 acquire_storage(st.grad, unit.layout, self.rank,

@@ -8,10 +8,12 @@
    hold them (directory, free space, a pinned budget that holds one unit). Every rank
    learns whether any rank failed, so all raise together instead of some waiting in a
    collective.
-3. Units, their gradient shards and optimizer state are allocated; the fp32 masters are
-   filled from the model's values (or by replaying a meta-built model's init, one module at
-   a time, `offload.units.materialize`), and each unit's low-precision shard is published
-   as soon as it has all its values. The module's parameters become views into the units.
+3. Units, their gradient shards and optimizer state are allocated; the fp32 masters (and
+   the frozen suffixes of the parameter shards: [Note: frozen parameters cost their shard
+   only] in offload/units/layout.py) are filled from the model's values (or by replaying a
+   meta-built model's init, one module at a time, `offload.units.materialize`), and each
+   unit's low-precision shard is published as soon as it has all its values. The module's
+   parameters become views into the units.
 4. Buffers move to the compute device, keeping their dtype unless the config says
    otherwise (offload.runtime.buffers); every `state_dict()` key is indexed to the slot or
    buffer that holds its value.
@@ -157,7 +159,8 @@ class _Tiers:
                 extra = {"nvme": self.nvme, "shards": keys}
             self.param_tier = make_param_tier(off.param_tier, device, off.pin_memory, **extra)
             if off.optimizer_tier == "nvme":
-                sizes = [(lay.shard_numel, lay.shard_optimized_numel(pg.rank)) for _, lay, _ in planned]
+                sizes = [(lay.shard_master_numel(pg.rank), lay.shard_optimized_numel(pg.rank))
+                         for _, lay, _ in planned]
                 self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype)
         except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             error = exc
@@ -184,7 +187,8 @@ def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: t
             param_sizes.append(shard)
         if off.optimizer_tier == "nvme":
             state = state_layout(
-                layout.shard_numel, layout.shard_optimized_numel(pg.rank), mdtype.itemsize
+                layout.shard_master_numel(pg.rank), layout.shard_optimized_numel(pg.rank),
+                mdtype.itemsize,
             ).nbytes
             optim_sizes.append(state)
         # One unit's pinned working set (docs/nvme.md): during the step its state and its
@@ -247,17 +251,20 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
     mdtype = moments_dtype(config.optimizer.moments_dtype)
     transient = transient_grad_shards(config, device.type == "cuda")
     for index, (plan, layout, recs) in enumerate(planned):
-        shard_numel = layout.shard_numel
+        # [Note: frozen parameters cost their shard only]: master and gradient shard cover
+        # the shard up to its frozen parameters, the moments its optimized prefix.
+        n_master = layout.shard_master_numel(pg.rank)
+        n_opt = layout.shard_optimized_numel(pg.rank)
         # On NVMe the master exists in host memory only while the unit is initialized
         # (allocated on its first value, written out and dropped when complete).
-        master = None if on_nvme else host_state_zeros(shard_numel, torch.float32)
+        master = None if on_nvme else host_state_zeros(n_master, torch.float32)
         if alias_master:
-            param_tier.adopt((index, "param"), master)
+            shard = host_state_zeros(layout.shard_numel, torch.float32)
+            param_tier.adopt((index, "param"), shard)
+            master = shard[:n_master]  # the master is the shard's prefix: one buffer
         unit = FlatUnit(index, plan.name, layout, param_tier, dtype, device, pg,
                         [r.param.requires_grad for r in recs])
-        trainable = any(r.param.requires_grad for r in recs)
-        n_opt = layout.shard_optimized_numel(pg.rank)
-        grad_numel = shard_numel if trainable else 0
+        grad_numel = n_master
         if transient:
             # Sized but holding no memory until its unit's reduce-scatter (and again none
             # after the unit's update during backward): see transient_grad_shards.
@@ -295,25 +302,32 @@ def _fill_masters(model: nn.Module, units: list[FlatUnit],
                   states: list[UnitOptimizerState], records: list[list[ParamRecord]],
                   optimizer_states: Any) -> None:
     """Fill the masters from the model's values (or replay the init of a meta-built model,
-    one module at a time); as soon as a unit has all its values, publish its low-precision
-    shard (and, on NVMe, write its state and drop the host master)."""
+    one module at a time), frozen values straight into the shard's frozen suffix (rounded
+    once to the compute dtype); as soon as a unit has all its values, publish its
+    low-precision shard (and, on NVMe, write its state and drop the host master)."""
     slot_of = {id(rec.param): (ui, si) for ui, recs in enumerate(records) for si, rec in enumerate(recs)}
     missing = [len(recs) for recs in records]
+    frozen: dict[int, torch.Tensor] = {}
+    """Per unit being filled, its frozen suffix: the host tier's own memory, else a buffer."""
+
+    def values(ui: int) -> tuple[torch.Tensor, torch.Tensor]:
+        st, unit = states[ui], units[ui]
+        if st.master is None:  # NVMe: this unit's first value during initialize
+            st.master = torch.zeros(unit.master_numel, dtype=torch.float32)
+        if ui not in frozen:
+            frozen[ui] = unit.frozen_buffer()
+        return st.master, frozen[ui]
 
     def finish(ui: int) -> None:
-        st = states[ui]
-        if st.master is None:
-            st.master = torch.zeros(st.unit.layout.shard_numel, dtype=torch.float32)
-        units[ui].publish(st.master)
-        optimizer_states.initialized(ui, st)
+        master, suffix = values(ui)
+        units[ui].publish(master, suffix)
+        del frozen[ui]
+        optimizer_states.initialized(ui, states[ui])
 
     finished: set[int] = set()
     for pid, value in materialize.materialize_values(model, records, slot_of):
         ui, si = slot_of[pid]
-        st = states[ui]
-        if st.master is None:  # NVMe: this unit's first value during initialize
-            st.master = torch.zeros(units[ui].layout.shard_numel, dtype=torch.float32)
-        units[ui].set_master_slot(si, value, st.master)
+        units[ui].set_slot(si, value, *values(ui))
         missing[ui] -= 1
         if missing[ui] == 0:
             finish(ui)

@@ -48,7 +48,7 @@ from offload.runtime.gather import Gatherer
 from offload.runtime.lifecycle import bind
 from offload.runtime.view import ShardedState
 from offload.units.partition import ROOT
-from offload.units.shard import FlatUnit
+from offload.units.shard import FROZEN_GROUP, FlatUnit
 
 __all__ = ["Gathering", "Hold", "refuse_while_gathered"]
 
@@ -266,8 +266,9 @@ class Gathering:
     def _write_modified(self, named: dict[int, list[int]], src: int) -> None:
         """[Note: writing a rank's edits back]
         Rank `src`'s full buffer of each unit is broadcast (compute dtype); each rank then
-        writes the named parameters' part of its own shard into its fp32 master and
-        republishes the low-precision shard. Only elements whose value differs from the
+        writes the named parameters' part of its own shard into its fp32 master (a frozen
+        parameter's into the parameter shard, which is all it has) and republishes the
+        low-precision shard. Only elements whose value differs from the
         master rounded to the compute dtype are written (upcast): an element the user did
         not change keeps its fp32 master bits, so zeroing one row of a bf16 run's embedding
         does not round the rest of it to bf16 (DeepSpeed writes the whole gathered
@@ -283,22 +284,25 @@ class Gathering:
                 unit.full.copy_(buf)  # an outer hold reads these values too
             values = buf.cpu()
             with sh.optimizer_states.open(ui, write=True) as t:
-                for si in slots:
-                    slot = unit.layout.slots[si]
-                    _merge_into_master(unit, si, values[slot.offset : slot.end].view(slot.shape), t.master)
                 self.gather.drop(ui)  # shards fetched ahead are stale now
-                unit.publish(t.master)
+                given = [(si, values[s.offset : s.end].view(s.shape))
+                         for si, s in ((si, unit.layout.slots[si]) for si in slots)]
+                unit.write_slots(given, t.master, merge=True)  # a frozen one: its shard
             self._forget_copies(ui)
 
-    def _restore(self, units: Iterable[int]) -> bool:
-        """Discard writes to aliased units (world size 1, the shard is the full buffer):
-        republish their shards from the masters. False when a master is that very memory
-        (fp32 on the CPU), where the write cannot be undone."""
+    def _restore(self, changed: Iterable[tuple[int, int]]) -> bool:
+        """Discard writes to the (unit, slot)s `changed` of aliased units (world size 1, the
+        shard is the full buffer): republish their shards from the masters. False when a
+        master is that very memory (fp32 on the CPU), or a changed parameter is frozen (its
+        value lives only in that shard), where the write cannot be undone."""
         undone = True
-        for ui in units:
+        changed = list(changed)
+        for ui in sorted({ui for ui, _ in changed}):
             unit = self.units[ui]
             if not unit.aliased:
                 continue  # the gathered copy is freed on release: the write goes with it
+            if any(unit.layout.slots[si].group == FROZEN_GROUP for u, si in changed if u == ui):
+                undone = False
             with self.sharded.optimizer_states.open(ui) as t:
                 if unit.shard is not None and unit.shard.data_ptr() == t.master.data_ptr():
                     undone = False
@@ -473,10 +477,8 @@ class Gathering:
         sh, unit = self.sharded, self.units[ui]
         sh.sync_device()
         with sh.optimizer_states.open(ui, write=True) as t:
-            for si, value in values.items():
-                unit.set_master_slot(si, value, t.master)
             self.gather.drop(ui)
-            unit.publish(t.master)
+            unit.write_slots(values.items(), t.master)  # a frozen one: into its shard
         self._forget_copies(ui)
 
 
@@ -523,33 +525,17 @@ class GatheredContext:
         if not changed:
             return
         names = [units[ui].layout.slots[si].name for ui, si in changed]
-        undone = self.owner._restore(sorted({ui for ui, _ in changed}))
+        undone = self.owner._restore(changed)
         warnings.warn(
             f"parameters {names[:5]}{' ...' if len(names) > 5 else ''} were changed inside "
             "engine.gathered(...) without modifier_rank: "
             + ("the change is discarded" if undone else
-               "at world size 1 with fp32 on the CPU the parameters are the fp32 master itself, "
-               "so the change was kept, but on more ranks it would be discarded")
+               "at world size 1 on the CPU the parameters are the engine's own shard (the fp32 "
+               "master itself in fp32, and a frozen parameter's only copy), so the change was "
+               "kept, but on more ranks it would be discarded")
             + "; pass modifier_rank=<the rank whose values to keep> to change them on purpose",
             stacklevel=3,
         )
-
-
-def _merge_into_master(unit: FlatUnit, si: int, value: torch.Tensor, master: torch.Tensor) -> None:
-    """This rank's part of parameter `si`, from its full `value`, into the fp32 `master`:
-    the elements where `value` differs from the master rounded to `value`'s dtype
-    ([Note: writing a rank's edits back]). An fp32 (or wider) value is written as given."""
-    slot = unit.layout.slots[si]
-    if tuple(value.shape) != slot.shape:
-        raise ValueError(f"parameter {slot.name!r}: got shape {tuple(value.shape)}, expected {slot.shape}")
-    part = unit.layout.slot_in_shard(slot, unit.pg.rank)
-    if part is None:
-        return
-    p_off, s_off, n = part
-    new = value.detach().reshape(-1)[p_off : p_off + n].cpu()
-    old = master[s_off : s_off + n]
-    changed = new != old.to(new.dtype)
-    old[changed] = new[changed].to(old.dtype)
 
 
 def _check_no_dead_tensors(state_dict: Any) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from offload.runtime.optimizer_step import StepPolicy
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
-from offload.units.shard import FlatUnit
+from offload.units.shard import FROZEN_GROUP, FlatUnit
 
 __all__ = ["Gradients"]
 
@@ -150,9 +150,12 @@ class Gradients:
         name, ui, si = self._locate(param)
         st = self.states[ui]
         slot = self.units[ui].layout.slots[si]
-        if st.grad.numel() == 0 or not st.grad_valid:
-            return None  # a unit with nothing trainable, or nothing reduced since the step
-        if st.grad.untyped_storage().nbytes() == 0:
+        # Decided alike on every rank (the all-reduce below needs them all): a parameter no
+        # optimizer group updates keeps no gradient ([Note: frozen parameters cost their
+        # shard only] in offload/units/layout.py), and a shard may be empty on one rank.
+        if slot.group == FROZEN_GROUP or not st.grad_valid:
+            return None  # not kept, or nothing reduced since the step
+        if self.policy.transient_grads and ui in self.policy.updated:
             raise RuntimeError(
                 f"engine.full_grad({name!r}): its gradient shard was consumed by the unit's "
                 "optimizer update during backward (prefetch.optimizer_in_backward, the default, "

@@ -89,10 +89,3 @@ class ShardedState:
         that a load is about to rewrite)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-
-    def write_master_slot(
-        self, ui: int, si: int, value: torch.Tensor, master: torch.Tensor
-    ) -> None:
-        """Copy this rank's part of parameter `si` of unit `ui` from its full `value` into
-        the unit's fp32 `master` shard (nothing when the parameter is on other ranks)."""
-        self.units[ui].set_master_slot(si, value, master)

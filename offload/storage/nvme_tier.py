@@ -14,7 +14,7 @@ import torch
 
 from offload.sizes import ALIGNMENT
 from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
-from offload.storage.tiers import DeviceTier, HostTier, Tier
+from offload.storage.tiers import DeviceTier, HostTier, Tier, check_prefix
 
 __all__ = ["NVMeTier", "ReadAhead", "make_param_tier"]
 
@@ -207,6 +207,46 @@ class NVMeTier(Tier):
         self._drop_ahead(key)  # the old bytes, read ahead or kept, are stale now
         if key in self._keep and src.device.type == "cpu":
             self._hold_copy(key, i, src)
+        return handle
+
+    def store_prefix(self, key: Hashable, src: torch.Tensor) -> Pending:
+        """Write `src` over the slot's first bytes (a multiple of 4 KiB, O_DIRECT); the rest
+        of the slot keeps what the last whole `store` wrote. No copy is kept for
+        `take_held` (it would lack the rest), and copies of the old bytes are revoked."""
+        i = self._slot(key)
+        numel, dtype = self._spec[i]
+        if src.numel() == numel:
+            return self.store(key, src)
+        check_prefix(key, (numel, dtype), src)
+        nbytes = src.numel() * dtype.itemsize
+        if nbytes % ALIGNMENT or not src.is_contiguous():
+            raise ValueError(
+                f"shard {key!r}: a prefix store of {nbytes} bytes is not a contiguous multiple "
+                f"of {ALIGNMENT} bytes, which the NVMe tier writes by O_DIRECT"
+            )
+        self._wait_write(i)  # two writes of one range in flight would be unordered
+        self._swap.check_readable(i)  # the rest of the slot must hold a whole store's bytes
+        slot = self._swap.slots[i]
+        ctx = self._ctx
+        on_error = lambda exc: self._swap.mark_failed(i, exc)  # noqa: E731
+        if _direct_ok(src):
+            handle = Pending([self._swap.write(ctx.aio, src, slot.offset)], on_error=on_error,
+                             stats=ctx.stats)
+        else:
+            buf = ctx.staging.acquire(nbytes)
+            try:
+                buf[:nbytes].view(dtype).copy_(src.reshape(-1))
+                req = self._swap.write(ctx.aio, buf[:nbytes], slot.offset)
+            except BaseException:
+                ctx.staging.release(buf)
+                raise
+            handle = Pending([req], on_error=on_error, release=lambda: ctx.staging.release(buf),
+                             stats=ctx.stats)
+            ctx.staging.track(handle)
+        ctx.stats.bytes_written += nbytes
+        self._swap.mark_written(i)
+        self._last_write[i] = handle
+        self._drop_ahead(key)  # the old bytes, read ahead or kept, are stale now
         return handle
 
     def _hold_copy(self, key: Hashable, i: int, src: torch.Tensor) -> None:

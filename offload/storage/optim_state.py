@@ -1,7 +1,9 @@
 """Where the optimizer state of each unit lives: host memory or a swap file on NVMe.
 
-A unit's state on this rank is its fp32 master (the whole shard), and the Adam moments
-`exp_avg` and `exp_avg_sq` over the shard's optimized prefix. Two stores keep it:
+A unit's state on this rank is its fp32 master (the shard up to its frozen parameters:
+[Note: frozen parameters cost their shard only] in offload/units/layout.py), and the Adam
+moments `exp_avg` and `exp_avg_sq` over the shard's optimized prefix; a unit with no
+optimized parameter has none (empty tensors, no I/O). Two stores keep it:
 
 - `HostOptimizerStates`: tensors in CPU memory (the `UnitOptimizerState` fields).
 - `NVMeOptimizerStates`: one slot per unit in the rank's `optim` swap file, laid out by
@@ -21,8 +23,8 @@ whether the tensors live in host memory, for callers that may then use them in p
 - `initialized(index, unit_state)`: the unit's master is complete (`offload.initialize`);
 - `memory_tensors()` / `bytes_on_disk()`: what it holds, for accounting.
 
-Gradient shards are not here: they stay in host memory (fp32, 4 bytes per parameter of
-the shard), written by the reduce-scatter during backward and read by the update.
+Gradient shards are not here: they stay in host memory (fp32, 4 bytes per element of the
+master), written by the reduce-scatter during backward and read by the update.
 
 [Note: optimizer pipeline]
 With the state on NVMe, the step reads unit i+1's state while the CPU Adam updates unit i,
@@ -285,6 +287,8 @@ class NVMeOptimizerStates:
     def initialize(self, index: int, master: torch.Tensor) -> None:
         """Write unit `index`'s first state: `master`, zero moments (the write runs on)."""
         lay = self.layouts[index]
+        if not lay.nbytes:
+            return  # no optimized parameter: no state
         buf = self._ctx.staging.acquire(lay.nbytes)
         try:
             t = self._views(index, buf)
@@ -307,6 +311,9 @@ class NVMeOptimizerStates:
         """`overwrite` (with `write`): the caller sets every tensor, so the slot is not read
         first (`checkout_overwrite`: a checkpoint load writes the state without reading the
         one it replaces). Otherwise the unit is read (`checkout`)."""
+        if not self.layouts[index].nbytes:
+            yield self._views(index, torch.empty(0, dtype=torch.uint8))  # no state, no I/O
+            return
         t = self.checkout_overwrite(index) if overwrite and write else self.checkout(index, 0)
         try:
             yield t
@@ -326,6 +333,8 @@ class NVMeOptimizerStates:
         """Unit `index`'s state for one update (the optimizer-in-backward path): from the
         read `prefetch` started, else read now. Give it back with `checkin` (write-back,
         not waited for) or `abandon` (after an error: nothing written)."""
+        if not self.layouts[index].nbytes and not scratch_bytes:
+            return self._views(index, torch.empty(0, dtype=torch.uint8))  # no state here
         entry = None
         ahead = self._prefetched.pop(index, None)
         if ahead is not None:
@@ -352,11 +361,16 @@ class NVMeOptimizerStates:
         return self._views(index, buf, scratch_bytes)
 
     def checkin(self, index: int, t: UnitTensors) -> None:
+        if not t._buffers:  # a unit without state
+            wait_quietly(t.holds)
+            return
         self._write(index, t._buffers[0], t.holds)
 
     def checkout_overwrite(self, index: int) -> UnitTensors:
         """A pooled buffer laid out as unit `index`'s slot, not read (the caller fills every
         tensor: a checkpoint load reads its chunks straight into it); `checkin` writes it."""
+        if not self.layouts[index].nbytes:
+            return self._views(index, torch.empty(0, dtype=torch.uint8))
         self.cancel_prefetch(index)
         self._wait_write(index)  # the new write must land after the old one
         buf = self._ctx.staging.acquire(self.layouts[index].nbytes)
@@ -364,7 +378,8 @@ class NVMeOptimizerStates:
 
     def abandon(self, index: int, t: UnitTensors) -> None:
         wait_quietly(t.holds)
-        self._ctx.staging.release(t._buffers[0])
+        if t._buffers:
+            self._ctx.staging.release(t._buffers[0])
 
     def adopt(self, index: int, t: UnitTensors, path: str, file_offsets: dict[str, int]) -> None:
         """Finish a `checkout_overwrite` without writing: `t` holds the bytes that lie in
@@ -373,6 +388,9 @@ class NVMeOptimizerStates:
         the unit is read from that file until its next write ([Note: adopted state]). The
         buffer goes back once `t.holds` are done."""
         lay = self.layouts[index]
+        if not lay.nbytes:
+            self.checkin(index, t)  # nothing to read, ever
+            return
         n_master = align_up(lay.master_numel * 4)
         n_moment = align_up(lay.moment_numel * lay.moment_itemsize)
         parts = tuple(
@@ -411,6 +429,8 @@ class NVMeOptimizerStates:
         its update comes."""
         staging = self._ctx.staging
         for i in list(indices)[:limit]:
+            if not self.layouts[i].nbytes:
+                continue  # no state on this rank: nothing to read
             ahead = self._prefetched.get(i)
             if ahead is not None and ahead[0].held:
                 continue
@@ -460,6 +480,8 @@ class NVMeOptimizerStates:
 
         def submit(i: int, block: bool) -> None:
             n = self.layouts[i].nbytes + align_up(scratch_bytes(i))
+            if not self.layouts[i].nbytes:
+                return  # no state on this rank (its part of the unit is frozen)
             buf = staging.acquire(n) if block else staging.try_acquire(n)
             if buf is None:
                 return  # no buffer free without waiting: read it next iteration
@@ -471,6 +493,9 @@ class NVMeOptimizerStates:
 
         try:
             for k, i in enumerate(order):
+                if not self.layouts[i].nbytes:
+                    yield i, self._views(i, torch.empty(0, dtype=torch.uint8))
+                    continue
                 if i not in reads:
                     submit(i, block=True)
                 if k + 1 < len(order) and order[k + 1] not in reads:
@@ -505,7 +530,7 @@ class NVMeOptimizerStates:
         scratch = buf[lay.nbytes : lay.nbytes + scratch_bytes] if scratch_bytes else None
         return UnitTensors(
             master, buf[a0 : a0 + n].view(md), buf[s0 : s0 + n].view(md),
-            scratch=scratch, _buffers=(buf,),
+            scratch=scratch, _buffers=(buf,) if buf.numel() else (),
         )
 
     def _wait_write(self, index: int) -> None:

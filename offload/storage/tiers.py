@@ -4,7 +4,9 @@ One interface, so no code outside `offload/storage/` asks which tier it talks to
 
 - `allocate(key, numel, dtype)` reserves room for one shard (zero-filled),
 - `fetch(key, out)` copies the shard into a caller's buffer (any device),
-- `store(key, src)` copies a caller's buffer into the shard,
+- `store(key, src)` copies a caller's buffer into the shard; `store_prefix(key, src)` into
+  its first `src.numel()` elements only, the rest keeping its bytes (a unit's frozen
+  suffix, which the optimizer never writes),
 - `view(key)` returns the shard itself when the tier is `addressable` (device and host
   tiers: its bytes are a tensor on `device`), or None (NVMe: bytes must be fetched first),
 - `free(key)` releases it; `bytes_allocated()` is what the tier holds right now;
@@ -133,6 +135,18 @@ class Tier(abc.ABC):
         dst.copy_(src, non_blocking=_may_be_async(src, dst))
         return None
 
+    def store_prefix(self, key: Hashable, src: torch.Tensor) -> Handle:
+        """Copy `src` into the shard's first `src.numel()` elements; the rest keeps its
+        bytes. The NVMe tier needs the prefix to be a multiple of 4 KiB (the layout puts a
+        unit's frozen suffix on such a boundary: [Note: frozen parameters cost their shard
+        only] in offload/units/layout.py)."""
+        dst = self._shards[key]
+        if src.numel() == dst.numel():
+            return self.store(key, src)
+        check_prefix(key, dst, src)
+        dst[: src.numel()].copy_(src, non_blocking=_may_be_async(src, dst))
+        return None
+
     def free(self, key: Hashable) -> None:
         del self._shards[key]
 
@@ -237,6 +251,16 @@ def _check_same_size(key: Hashable, shard: torch.Tensor, buf: torch.Tensor) -> N
         raise ValueError(
             f"shard {key!r} is {shard.numel()} x {shard.dtype} but the buffer is "
             f"{buf.numel()} x {buf.dtype}; they must match"
+        )
+
+
+def check_prefix(key: Hashable, shard: Any, buf: torch.Tensor) -> None:
+    """`buf` fits as a prefix of the shard (`shard`: its tensor, or (numel, dtype))."""
+    numel, dtype = (shard.numel(), shard.dtype) if isinstance(shard, torch.Tensor) else shard
+    if buf.numel() > numel or buf.dtype != dtype:
+        raise ValueError(
+            f"shard {key!r} is {numel} x {dtype}; a prefix of {buf.numel()} x {buf.dtype} "
+            "does not fit it"
         )
 
 

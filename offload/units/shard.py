@@ -1,13 +1,8 @@
-"""A unit's flat layout, its rank's shard, and the gather / reduce-scatter that move it.
-
-Layout first, as pure functions on integers (tested without tensors in test_shard.py):
-a unit's parameters are laid end to end in one flat buffer, each at an offset aligned to
-`PARAM_ALIGN_ELEMS`, ordered by optimizer group (frozen parameters last), and the whole is
-padded so that every rank's shard has the same length, a multiple of `SHARD_ALIGN_ELEMS`.
-Rank r owns flat elements [r * shard_numel, (r + 1) * shard_numel).
-
-Then `FlatUnit`, the runtime of one unit on one rank: the shard in its tier, the full flat
-buffer on the compute device, and the parameters as views into that buffer.
+"""A unit on one rank: its shard, its full buffer, and the gather / reduce-scatter that move
+it (`FlatUnit`). The layout arithmetic it runs on is `offload.units.layout` (re-exported
+here): the shard in its tier, the full flat buffer on the compute device, and the
+parameters as views into that buffer. What a unit with frozen parameters keeps where:
+[Note: frozen parameters cost their shard only] in offload/units/layout.py.
 
 [Note: freeing by storage resize]
 The parameters the module holds are `nn.Parameter` views into `full`. To free the unit we
@@ -20,153 +15,33 @@ autograd saved for backward stay valid: after a re-gather they see the same byte
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 import offload.units.collectives as _dist
-from offload.sizes import align_up
 from offload.storage.tiers import Tier, wait
+from offload.units.layout import (
+    FROZEN_GROUP,
+    PARAM_ALIGN_ELEMS,
+    SHARD_ALIGN_ELEMS,
+    ParamSlot,
+    Segment,
+    UnitLayout,
+    UpdateRun,
+    intersect,
+    layout_unit,
+    update_runs,
+)
 from offload.units.parameter import UnitParameter
+
+__all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_ELEMS",
+           "SHARD_ALIGN_ELEMS", "ParamSlot", "Segment", "UnitLayout", "UpdateRun", "intersect",
+           "layout_unit", "update_runs"]
 
 _GRAD_OF = torch._C.TensorBase.grad.__get__
 """torch's `.grad` getter, without a subclass's property in between."""
-
-PARAM_ALIGN_ELEMS = 16
-"""Each parameter starts at a multiple of 16 elements: 64-byte (cache line / AVX-512)
-aligned views in fp32, 32-byte in bf16."""
-
-SHARD_ALIGN_ELEMS = 2048
-"""Every shard is a multiple of 2048 elements: 4 KiB in bf16/fp16, 8 KiB in fp32, so the
-NVMe tier can move shards with O_DIRECT at 4 KiB-aligned offsets and sizes."""
-
-FROZEN_GROUP = -1
-"""The group index of parameters no optimizer group updates (requires_grad=False, or
-not listed in any group). They are laid out after every optimized parameter."""
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter sits in its unit's flat buffer (in elements)."""
-
-    name: str
-    shape: tuple[int, ...]
-    group: int
-    offset: int
-    numel: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of flat elements [start, end) updated with one optimizer group's settings."""
-
-    group: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class UnitLayout:
-    slots: tuple[ParamSlot, ...]
-    world_size: int
-    padded_numel: int
-    """Flat elements including alignment gaps and tail padding; world_size * shard_numel."""
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
-
-    @property
-    def numel(self) -> int:
-        """Elements that belong to parameters (no gaps, no padding)."""
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def optimized_numel(self) -> int:
-        """Flat elements [0, optimized_numel) hold every optimized parameter."""
-        ends = [s.end for s in self.slots if s.group != FROZEN_GROUP]
-        return max(ends, default=0)
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def segments(self) -> tuple[Segment, ...]:
-        """One flat run per optimizer group, covering the group's parameters and the gaps
-        between them (gaps hold zeros, which Adam leaves at zero)."""
-        out: list[Segment] = []
-        for s in self.slots:
-            if s.group == FROZEN_GROUP:
-                continue
-            if out and out[-1].group == s.group:
-                out[-1] = Segment(s.group, out[-1].start, s.end)
-            else:
-                out.append(Segment(s.group, s.offset, s.end))
-        return tuple(out)
-
-    def shard_segments(self, rank: int) -> tuple[Segment, ...]:
-        """`segments()` clipped to this rank's shard, in shard-local coordinates."""
-        lo, hi = self.shard_range(rank)
-        out = []
-        for seg in self.segments():
-            r = intersect((seg.start, seg.end), (lo, hi))
-            if r is not None:
-                out.append(Segment(seg.group, r[0] - lo, r[1] - lo))
-        return tuple(out)
-
-    def shard_optimized_numel(self, rank: int) -> int:
-        """Shard-local elements [0, n) that optimizer state must cover on this rank."""
-        lo, hi = self.shard_range(rank)
-        return max(0, min(self.optimized_numel, hi) - lo)
-
-    def slot_in_shard(self, slot: ParamSlot, rank: int) -> Optional[tuple[int, int, int]]:
-        """The part of `slot` this rank owns: (offset in the parameter, offset in the shard,
-        length), or None."""
-        lo, hi = self.shard_range(rank)
-        r = intersect((slot.offset, slot.end), (lo, hi))
-        if r is None:
-            return None
-        return r[0] - slot.offset, r[0] - lo, r[1] - r[0]
-
-
-def intersect(a: tuple[int, int], b: tuple[int, int]) -> Optional[tuple[int, int]]:
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo < hi else None
-
-
-def layout_unit(
-    params: Sequence[tuple[str, Sequence[int], int]],
-    world_size: int,
-    param_align: int = PARAM_ALIGN_ELEMS,
-    shard_align: int = SHARD_ALIGN_ELEMS,
-) -> UnitLayout:
-    """Lay out (name, shape, group) parameters: groups ascending, FROZEN_GROUP last, the
-    order within a group kept; offsets aligned; padded to world_size equal aligned shards."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    order = sorted(
-        range(len(params)),
-        key=lambda i: (params[i][2] == FROZEN_GROUP, params[i][2], i),
-    )
-    slots = []
-    offset = 0
-    for i in order:
-        name, shape, group = params[i]
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        offset = align_up(offset, param_align)
-        slots.append(ParamSlot(name, tuple(int(d) for d in shape), int(group), offset, numel))
-        offset += numel
-    shard_numel = max(align_up(-(-offset // world_size), shard_align), shard_align)
-    return UnitLayout(tuple(slots), world_size, shard_numel * world_size)
 
 
 class UnitState(enum.Enum):
@@ -203,6 +78,10 @@ class FlatUnit:
         self.device = device
         self.pg = pg
         self.key = (index, "param")
+        self.master_numel = layout.shard_master_numel(pg.rank)
+        """Shard-local elements [0, master_numel) have an fp32 master (and gradient shard);
+        the rest, the frozen suffix, lives in the tier only ([Note: frozen parameters cost
+        their shard only])."""
         self.state = UnitState.SHARDED
         self._gather_work: Any = None
         self.holds = 0
@@ -345,9 +224,58 @@ class FlatUnit:
         _free_storage(self.full)
         self.state = UnitState.SHARDED
 
-    def set_master_slot(self, si: int, value: torch.Tensor, master: torch.Tensor) -> None:
-        """Copy this rank's part of parameter `si` from its full `value` into the fp32
-        `master` shard (nothing when the parameter lies on other ranks)."""
+    # -- values in and out ------------------------------------------------------------------
+
+    @property
+    def frozen_numel(self) -> int:
+        """Elements of this rank's shard past the master: frozen values and padding."""
+        return self.layout.shard_numel - self.master_numel
+
+    def read_frozen(self) -> torch.Tensor:
+        """This rank's frozen suffix of the parameter shard, in the compute dtype, in host
+        memory: the tier's own memory when it is host memory (a write into it changes the
+        shard), else a copy (of a device shard, or read from NVMe)."""
+        n = self.master_numel
+        shard = self.tier.view(self.key)
+        if shard is not None:
+            return shard[n:] if shard.device.type == "cpu" else shard[n:].cpu()
+        if not self.frozen_numel:
+            return torch.empty(0, dtype=self.dtype)
+        from offload.storage.io import aligned_empty
+
+        # Page-aligned: the NVMe tier reads straight into it, without its staging pool.
+        buf = aligned_empty(self.layout.shard_numel * self.dtype.itemsize, self.dtype, pin=False)
+        wait(self.tier.fetch(self.key, buf))
+        return buf[n:]
+
+    def frozen_buffer(self) -> torch.Tensor:
+        """Host memory for new values of the frozen suffix (compute dtype), then handed to
+        `publish`: the shard's own memory when it is host memory, else a zeroed buffer
+        (nothing is read)."""
+        shard = self.tier.view(self.key)
+        if shard is not None and shard.device.type == "cpu":
+            return shard[self.master_numel :]
+        return torch.zeros(self.frozen_numel, dtype=self.dtype)
+
+    def shard_values(self, master: torch.Tensor) -> torch.Tensor:
+        """This rank's whole shard in fp32: `master` (the optimized prefix) and the frozen
+        suffix cast up (exact); `master` itself when it covers the whole shard."""
+        n, total = self.master_numel, self.layout.shard_numel
+        if n == total:
+            return master
+        out = torch.empty(total, dtype=torch.float32)
+        out[:n].copy_(master[:n])
+        out[n:].copy_(self.read_frozen())
+        return out
+
+    def set_slot(self, si: int, value: torch.Tensor, master: torch.Tensor,
+                 frozen: Optional[torch.Tensor] = None, merge: bool = False) -> None:
+        """Copy this rank's part of parameter `si` from its full `value`: an optimized
+        parameter's into the fp32 `master`, a frozen one's into `frozen` (the shard's frozen
+        suffix, compute dtype: `read_frozen()`, or a buffer later given to `publish`);
+        nothing when the parameter lies on other ranks. `merge`: only the elements where
+        `value` differs from the current one rounded to `value`'s dtype ([Note: writing a
+        rank's edits back] in offload/runtime/gathered.py); an fp32 value is written whole."""
         slot = self.layout.slots[si]
         if tuple(value.shape) != slot.shape:
             raise ValueError(
@@ -357,23 +285,66 @@ class FlatUnit:
         if part is None:
             return
         p_off, s_off, n = part
-        master[s_off : s_off + n].copy_(value.detach().reshape(-1)[p_off : p_off + n])
+        if slot.group == FROZEN_GROUP:
+            assert frozen is not None and s_off >= self.master_numel, (slot.name, s_off)
+            dst = frozen[s_off - self.master_numel : s_off - self.master_numel + n]
+        else:
+            dst = master[s_off : s_off + n]
+        src = value.detach().reshape(-1)[p_off : p_off + n]
+        if not merge:
+            dst.copy_(src)
+            return
+        src = src.cpu()
+        changed = src != dst.to(src.dtype)
+        dst[changed] = src[changed].to(dst.dtype)
 
-    def publish(self, master: torch.Tensor) -> None:
-        """Write this unit's parameter shard (its dtype, its tier) from the fp32 `master`;
-        a gathered copy is stale after it and is freed (re-gathered on next use). The one
-        path from a master to the shard outside the optimizer's update (initialize, loads)."""
+    def write_slots(self, values: Iterable[tuple[int, torch.Tensor]], master: torch.Tensor,
+                    merge: bool = False) -> None:
+        """`set_slot` for each (slot index, full value), then `publish`: the shard's frozen
+        suffix is read, changed and written back only when a frozen parameter this rank
+        holds part of is among them."""
+        frozen = None
+        for si, value in values:
+            slot = self.layout.slots[si]
+            if (frozen is None and slot.group == FROZEN_GROUP
+                    and self.layout.slot_in_shard(slot, self.pg.rank) is not None):
+                frozen = self.read_frozen()
+            self.set_slot(si, value, master, frozen, merge)
+        self.publish(master, frozen)
+
+    def publish(self, master: torch.Tensor, frozen: Optional[torch.Tensor] = None) -> None:
+        """Write this unit's parameter shard (its dtype, its tier) from the fp32 `master`
+        (the prefix [0, master_numel)) and, given `frozen` (the suffix's values; rounded
+        once to the compute dtype), its frozen suffix too; without `frozen` the suffix keeps
+        its bytes. A gathered copy is stale after it and is freed (re-gathered on next use).
+        The one path from a master to the shard outside the optimizer's update (initialize,
+        loads)."""
+        n = self.master_numel
         shard = self.tier.view(self.key)
+        wrote = False
+        if frozen is not None and self.frozen_numel and shard is not None:
+            dst = shard[n:]
+            if dst.data_ptr() != frozen.data_ptr():
+                dst.copy_(frozen)  # addressable: in place (nothing to do when it is that memory)
+            frozen, wrote = None, True
         if shard is not None and shard.data_ptr() == master.data_ptr():
-            return  # fp32 on the CPU: the shard is the master
-        wait(self.tier.store(self.key, master.to(self.dtype)))
+            if wrote:
+                self.free()
+            return  # fp32 on the CPU: the master is the shard's prefix
+        if frozen is not None and self.frozen_numel:
+            whole = torch.empty(self.layout.shard_numel, dtype=self.dtype)
+            whole[:n].copy_(master[:n])
+            whole[n:].copy_(frozen)
+            wait(self.tier.store(self.key, whole))
+        elif n:
+            wait(self.tier.store_prefix(self.key, master[:n].to(self.dtype)))
         self.free()  # a gathered (or gathering) copy is stale; held or aliased units stay
 
     # -- gradients ------------------------------------------------------------------------
 
     def start_reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool) -> "GradReduce":
-        """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, the
-        rank's shard, host), adding to it when `accumulate`; drop the full gradients, so
+        """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, host:
+        the rank's shard up to `master_numel`), adding to it when `accumulate`; drop the full gradients, so
         the unit can be freed at once. With more than one rank the collective is only
         issued (it runs while backward goes on to earlier units) and `GradReduce.wait()`
         completes it; every rank must take part. `GradReduce.have[i]`: slot i had a local
@@ -387,6 +358,9 @@ class FlatUnit:
             # step's first micro-batch, add on later ones. Alignment gaps are never written
             # and stay zero from allocation.
             for p, s, g in zip(params, self.layout.slots, grads):
+                if s.group == FROZEN_GROUP:  # no gradient shard past the master's prefix
+                    p.grad = None
+                    continue
                 dst = grad_shard[s.offset : s.end]
                 if g is not None:
                     src = g.reshape(-1)
@@ -400,9 +374,13 @@ class FlatUnit:
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self._coll_device)
         for p, s, g in zip(params, self.layout.slots, grads):
             if g is not None:
-                flat[s.offset : s.end].copy_(g.reshape(-1))
+                if s.group != FROZEN_GROUP:  # not kept: zeros go through the collective
+                    flat[s.offset : s.end].copy_(g.reshape(-1))
                 p.grad = None
-        direct = not accumulate and grad_shard.device == self._coll_device
+        # The collective's output is the whole shard; the gradient shard may be only its
+        # prefix (a unit with frozen parameters): then it is copied out on completion.
+        direct = (not accumulate and grad_shard.device == self._coll_device
+                  and grad_shard.numel() == self.layout.shard_numel)
         out = grad_shard if direct else torch.empty(
             self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
         )
@@ -435,6 +413,7 @@ class GradReduce:
         self._flat = None
         if self._finish is not None:
             (out, grad_shard, accumulate), self._finish = self._finish, None
+            out = out[: grad_shard.numel()]
             if accumulate:
                 grad_shard.add_(out.to(grad_shard.device))
             else:
@@ -452,49 +431,3 @@ def _alloc_storage(t: torch.Tensor) -> None:
     need = t.numel() * t.element_size()
     if storage.nbytes() != need:
         storage.resize_(need)
-
-
-@dataclass(frozen=True)
-class UpdateRun:
-    """A shard-local run [start, end) updated by one adam call: one group, one step count."""
-
-    group: int
-    step: int
-    start: int
-    end: int
-
-
-def update_runs(
-    layout: UnitLayout, rank: int, active: Sequence[bool], steps: Sequence[int]
-) -> tuple[UpdateRun, ...]:
-    """The calls one optimizer step makes over this rank's shard.
-
-    `active[i]`: slot i is optimized this step (it is in a group and received a gradient);
-    `steps[i]`: slot i's step count after this update (torch keeps one per parameter, and a
-    parameter without a gradient is skipped, so counts can differ). Consecutive active
-    slots with equal (group, step) merge into one run, gaps between them included (zeros).
-    """
-    lo, hi = layout.shard_range(rank)
-    runs: list[UpdateRun] = []
-    prev_end = None
-    for slot, on, step in zip(layout.slots, active, steps):
-        if not on or slot.group == FROZEN_GROUP:
-            prev_end = None
-            continue
-        r = intersect((slot.offset, slot.end), (lo, hi))
-        if r is None:
-            prev_end = None
-            continue
-        start, end = r[0] - lo, r[1] - lo
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and prev_end is not None
-            and last.end == prev_end
-            and (last.group, last.step) == (slot.group, step)
-        ):
-            runs[-1] = UpdateRun(slot.group, step, last.start, end)
-        else:
-            runs.append(UpdateRun(slot.group, step, start, end))
-        prev_end = end
-    return tuple(runs)
