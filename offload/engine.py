@@ -246,6 +246,7 @@ class Engine:
         for unit in reduced:
             self.gather.drop(unit.index)
             self.policy.update_in_backward(unit)
+            unit.invalidate()  # a resident unit's gathered copy (stages 1, 2) is stale now
 
     def _finish_backward(self) -> None:
         """End of a backward pass (also called by `backward` and `step`: idempotent)."""

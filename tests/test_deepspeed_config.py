@@ -348,10 +348,12 @@ def test_batch_arithmetic_agrees_with_deepspeed_itself(given):
 
 @pytest.mark.parametrize("ds,key,fragments", [
     # ZeRO stage
-    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage",
-     ["= 2 is not supported", "ZeRO stage 3 only", 'set "stage": 3']),
+    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage",
+     ["= 0 is not supported", "stages 1, 2 and 3", 'set "stage": 2']),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param",
+     ["needs stage 3", "stage is 2"]),
     ({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}, "zero_optimization",
-     ["is missing", "stage 0", '"stage": 3']),
+     ["is missing", "stage 0", '"stage": 2']),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.stage", ["= 0"]),
     # unknown / misspelt keys, at every level, with the closest valid key
     (_ds(zero={"overlap_com": True}), "zero_optimization.overlap_com", ["did you mean 'overlap_comm'"]),

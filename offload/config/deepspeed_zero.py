@@ -94,8 +94,8 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
     raw = t.ds.get("zero_optimization")
     if raw is None or isinstance(raw, bool):
         raise ConfigError("zero_optimization", "is missing, so DeepSpeed would run without ZeRO "
-                          "(stage 0), but offload implements ZeRO stage 3 only",
-                          'add "zero_optimization": {"stage": 3} (with offload_param / '
+                          "(stage 0), but offload implements ZeRO stages 1, 2 and 3",
+                          'add "zero_optimization": {"stage": 2} (or 3, with offload_param / '
                           "offload_optimizer as needed)")
     known = sorted(_ZERO_MAPPED | set(_ZERO_IGNORED) | set(_ZERO_ALIASES) | _ZERO_REMOVED)
     zero: dict[str, Any] = {}
@@ -112,12 +112,19 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
         zero[name], key_of[name] = value, full
 
     stage = coerce(key_of.get("stage", "zero_optimization.stage"), zero.get("stage", 0), int)
-    if stage != 3:
+    if stage not in (1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"= {stage} is not supported: offload implements "
-                          "ZeRO stage 3 only (parameters, gradients and optimizer states all "
-                          "partitioned, which is what lets parameters live on CPU or NVMe); the "
-                          "stage decides where state lives, not what the model learns",
-                          'set "stage": 3')
+                          "ZeRO stages 1, 2 and 3 (stage 0, plain data parallelism with every "
+                          "rank holding the whole optimizer state, is not); the stage decides "
+                          "where state lives, not what the model learns",
+                          'set "stage": 2 (ZeRO-Offload) or 3')
+    t.set("top.zero_stage", stage, key_of.get("stage", "zero_optimization.stage"))
+    if stage < 3 and zero.get("offload_param") is not None:
+        device = zero["offload_param"].get("device", "none") if isinstance(zero["offload_param"], dict) else None
+        if device not in (None, "none"):
+            raise ConfigError(key_of.get("offload_param", "zero_optimization.offload_param"),
+                              f"needs stage 3 (DeepSpeed offloads parameters only at stage 3), but "
+                              f"stage is {stage}", 'set "stage": 3, or remove offload_param')
     for name, why in (("zero_quantized_weights", "quantised weight gathers change the numerics"),
                       ("zero_quantized_nontrainable_weights", "quantised frozen weights change the numerics"),
                       ("zero_quantized_gradients", "quantised gradient reduction changes the numerics")):

@@ -111,7 +111,7 @@ def read_config_file(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
 
 _OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "prefetch", "timeline", "unit_modules",
                                     "compute_device", "cpu_adam_threads", "nonfinite_loss",
-                                    "collective_timeout_s", "logging", "monitors"})
+                                    "collective_timeout_s", "logging", "monitors", "zero_stage"})
 """Top-level keys of offload's format that DeepSpeed does not have."""
 
 

@@ -454,6 +454,13 @@ class Config(Section):
     """Global-norm gradient clipping threshold; 0 disables."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
+    zero_stage: Literal[1, 2, 3] = 3
+    """ZeRO stage (DeepSpeed's zero_optimization.stage). 3: parameters partitioned too,
+    gathered unit by unit when used (they may live on CPU or NVMe). 2: parameters whole and
+    resident on the compute device between steps (no gathers in forward or backward; each
+    unit is gathered again once after its update), gradients reduce-scattered into each
+    rank's partition, optimizer state partitioned and tiered. 1: as 2, with gradients
+    all-reduced (the rank keeps its partition). Same trained model at every stage."""
     train_micro_batch_size_per_gpu: Optional[int] = None
     """Informational (the engine does not batch); kept for DeepSpeed configs."""
     unit_modules: tuple[str, ...] = ()
@@ -496,6 +503,12 @@ class Config(Section):
                 "it must be >= 0 (0 = the cores this process may use)", "use 0 or a thread count")
         require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                 "a timeout must be > 0 seconds", "use e.g. 1800 (torch.distributed's default)")
+        require(self.zero_stage in (1, 2, 3), "zero_stage", self.zero_stage,
+                "offload runs ZeRO stages 1, 2 and 3", "use 3 (partitioned parameters) or 2")
+        require(self.zero_stage == 3 or self.offload.param_tier != "nvme", "zero_stage",
+                self.zero_stage, "stages 1 and 2 keep the parameters whole on the compute device, "
+                "so an NVMe parameter tier would only add a write and a read of every shard per step",
+                "use zero_stage 3 with offload.param_tier 'nvme', or param_tier 'device' / 'cpu'")
 
 
     # -- ways in ---------------------------------------------------------------------

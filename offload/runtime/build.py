@@ -263,7 +263,8 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
             param_tier.adopt((index, "param"), shard)
             master = shard[:n_master]  # the master is the shard's prefix: one buffer
         unit = FlatUnit(index, plan.name, layout, param_tier, dtype, device, pg,
-                        [r.param.requires_grad for r in recs])
+                        [r.param.requires_grad for r in recs],
+                        resident=config.zero_stage < 3, all_reduce_grads=config.zero_stage == 1)
         grad_numel = n_master
         if transient:
             # Sized but holding no memory until its unit's reduce-scatter (and again none

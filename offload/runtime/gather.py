@@ -114,7 +114,7 @@ class Gatherer:
         self.prefetcher.drop(keep_fresh=True)
         self.keep_new_shards_for_next_iteration()
         for unit in self.units:
-            unit.free()
+            unit.invalidate()  # resident units (stages 1, 2) keep their memory, re-gathered at next use
 
     def prefetch_next_iteration(self) -> None:
         """Between iterations (after a step, or between micro-batches): start fetching the
@@ -129,7 +129,7 @@ class Gatherer:
 
     def free_all(self) -> None:
         for unit in self.units:
-            unit.free()  # waits for a gather in flight (every rank takes part in it)
+            unit.release()  # waits for a gather in flight (every rank takes part in it)
 
     # -- fetching and gathering -----------------------------------------------------------
 

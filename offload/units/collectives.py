@@ -161,6 +161,16 @@ def reduce_scatter_mean(
                            async_op=async_op)
 
 
+def all_reduce_mean_(t: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False) -> Optional[dist.Work]:
+    """t = mean over ranks of t (ZeRO stage 1's gradient all-reduce): each rank's t divided
+    by the world size, then summed (gloo's all-reduce has no AVG). With `async_op` the
+    collective is only issued: `wait()` the returned work before reading `t`."""
+    if pg.world_size == 1:
+        return None
+    t.div_(pg.world_size)
+    return dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group, async_op=async_op)
+
+
 def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     if pg.world_size > 1:
         dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group)

@@ -69,8 +69,17 @@ class FlatUnit:
         device: torch.device,
         pg: _dist.ProcessGroupInfo,
         requires_grad: Sequence[bool],
+        resident: bool = False,
+        all_reduce_grads: bool = False,
     ) -> None:
         self.index = index
+        self.resident = resident
+        """ZeRO stages 1 and 2 ([Note: resident parameters]): the full buffer stays gathered
+        between uses; `free()` leaves it, `invalidate()` marks it stale when the shard
+        changes (the next use gathers it again, into the same memory)."""
+        self.all_reduce_grads = all_reduce_grads
+        """ZeRO stage 1: gradients are all-reduced (every rank gets the whole average) and
+        the rank keeps its partition, instead of reduce-scattered."""
         self.name = name
         self.layout = layout
         self.tier = tier
@@ -214,9 +223,28 @@ class FlatUnit:
         return self.state is UnitState.GATHERING
 
     def free(self) -> None:
-        """Release the full buffer (idempotent; a no-op when aliased to the shard). Also
-        releases bytes a dropped prefetch allocated. A gather in flight completes first
-        (the other ranks take part in it). A held unit stays (see `holds`)."""
+        """Release the full buffer (idempotent; a no-op when aliased to the shard, and for a
+        resident unit: stages 1 and 2). Also releases bytes a dropped prefetch allocated. A
+        gather in flight completes first (the other ranks take part in it). A held unit
+        stays (see `holds`)."""
+        if self.aliased or self.holds or self.resident:
+            return
+        self.release()
+
+    def invalidate(self) -> None:
+        """The shard changed (or is about to): a gathered copy is stale. A resident unit
+        keeps its memory and gathers into it at its next use; any other is freed."""
+        if self.aliased or self.holds:
+            return
+        if not self.resident:
+            self.release()
+            return
+        if self.state is UnitState.GATHERING:
+            self._finish_gather()
+        self.state = UnitState.SHARDED
+
+    def release(self) -> None:
+        """Give the full buffer's memory back, resident or not (close, failure)."""
         if self.aliased or self.holds:
             return
         if self.state is UnitState.GATHERING:
@@ -329,7 +357,7 @@ class FlatUnit:
             frozen, wrote = None, True
         if shard is not None and shard.data_ptr() == master.data_ptr():
             if wrote:
-                self.free()
+                self.invalidate()
             return  # fp32 on the CPU: the master is the shard's prefix
         if frozen is not None and self.frozen_numel:
             whole = torch.empty(self.layout.shard_numel, dtype=self.dtype)
@@ -338,7 +366,7 @@ class FlatUnit:
             wait(self.tier.store(self.key, whole))
         elif n:
             wait(self.tier.store_prefix(self.key, master[:n].to(self.dtype)))
-        self.free()  # a gathered (or gathering) copy is stale; held or aliased units stay
+        self.invalidate()  # a gathered (or gathering) copy is stale; held or aliased units stay
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -384,6 +412,11 @@ class FlatUnit:
         out = grad_shard if direct else torch.empty(
             self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
         )
+        if self.all_reduce_grads and self.pg.world_size > 1:
+            # Stage 1: every rank gets the whole average; this rank keeps its partition.
+            lo, hi = self.layout.shard_range(self.pg.rank)
+            work = _dist.all_reduce_mean_(flat, self.pg, async_op=True)
+            return GradReduce(have, work, flat, (flat[lo:hi], grad_shard, accumulate))
         work = _dist.reduce_scatter_mean(out, flat, self.pg, async_op=self.pg.world_size > 1)
         return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate))
 
