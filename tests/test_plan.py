@@ -422,3 +422,15 @@ def test_plan_says_gradient_shards_are_fp32_beside_bytes_per_parameter():
     assert ("per trainable parameter: 2 B bf16 parameter + 4 B fp32 master + 8 B fp32 moments "
             "+ 4 B gradient shard = 18 B") in text
     assert "gradient shards are kept in fp32 (4 B" in text and "16 B per parameter" in text
+
+
+def test_zero_paper_figure_1_per_device_model_state() -> None:
+    """The ZeRO paper's Figure 1: Ψ = 7.5B parameters, N_d = 64 devices, K = 12, fp16
+    parameters and gradients -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device (GB = 10**9)."""
+    from offload.plan.zero_paper import zero_model_state_bytes
+
+    got = [zero_model_state_bytes(7.5e9, 64, s) / 1e9 for s in (0, 1, 2, 3)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9], got
+    assert zero_model_state_bytes(7.5e9, 1, 3) == zero_model_state_bytes(7.5e9, 1, 0)  # one device: no saving
+    with pytest.raises(ValueError, match="stages are 0"):
+        zero_model_state_bytes(1e9, 8, 4)
