@@ -11,11 +11,20 @@ that memory use stays at one set of states:
   torch foreach     torch.optim.AdamW(foreach=True)
   torch fused       torch.optim.AdamW(fused=True)
   DeepSpeedCPUAdam  deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode), when it builds here
+  roofline 8bit     C loop with exactly the 8-bit step's traffic (read p, g and two uint8
+                    code arrays; write p and the codes)
+  ours 8bit         adam8bit_step_flat: fp32 grads, 8-bit moments (blockwise, 256 per scale)
+  ours 8bit bf16 g+out  bf16 gradients in, bf16 copy of the parameters out, 8-bit moments
+  bnb AdamW8bit     bitsandbytes.optim.AdamW8bit on the CPU, when installed (the same maps
+                    and block size; torchao's AdamW8bit keeps plain tensors on the CPU)
 
 Effective GB/s counts the bytes the update must move per parameter, reads plus writes,
 not what an implementation happens to move: fp32 states 28 B (read p, g, m, v 16 B;
 write p, m, v 12 B); bf16 grads + bf16 out 28 B (g is 2 B, the extra output 2 B); bf16
-moments 20 B; bf16 grads, moments and output 20 B. Torch and DeepSpeed count as fp32.
+moments 20 B; bf16 grads, moments and output 20 B; 8-bit moments 16.03 B (p 8, g 4, codes
+2 + 2, scales 2 x 2 x 4 / 256), also with bf16 grads + bf16 out. Torch and DeepSpeed count as
+fp32, bitsandbytes as 8-bit. The 8-bit rows' "vs roofline" is against "roofline 8bit" (their
+own mix of streams), the others' against "roofline".
 
     python benchmarks/bench_adam.py --quick           # 10M and 50M params, < 1 minute
     python benchmarks/bench_adam.py --json out.json   # 10M..500M, 1..N threads
@@ -46,7 +55,7 @@ from benchmarks._common import (
     write_json,
 )
 from offload._native import C
-from offload.optim import adam_isa, adam_step_flat
+from offload.optim import Moments8bit, adam8bit_step_flat, adam_isa, adam_step_flat
 from offload.sizes import format_bytes
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -62,6 +71,10 @@ BYTES = {
     "torch foreach": 28,
     "torch fused": 28,
     "DeepSpeedCPUAdam": 28,
+    "roofline 8bit": 16,
+    "ours 8bit": 16 + 16 / 256,
+    "ours 8bit bf16 g+out": 16 + 16 / 256,
+    "bnb AdamW8bit": 16 + 16 / 256,
 }
 
 
@@ -76,6 +89,19 @@ def _load_deepspeed() -> tuple[Optional[type], str]:
         DeepSpeedCPUAdam([probe], lr=LR).step()  # JIT-builds the op on first use
         return DeepSpeedCPUAdam, ""
     except Exception as exc:  # any failure (missing, build error) drops the peer
+        return None, peer_reason(exc)
+
+
+def _load_bnb() -> tuple[Optional[type], str]:
+    """bitsandbytes' AdamW8bit, or None and the reason it cannot run on the CPU here."""
+    try:
+        from bitsandbytes.optim import AdamW8bit
+
+        probe = torch.nn.Parameter(torch.zeros(4096))
+        probe.grad = torch.zeros(4096)
+        AdamW8bit([probe], lr=LR).step()
+        return AdamW8bit, ""
+    except Exception as exc:  # missing, or no CPU backend in this version
         return None, peer_reason(exc)
 
 
@@ -95,14 +121,18 @@ class Buffers:
         self.v_bf16 = self.v.to(torch.bfloat16)
         self.out_bf16 = torch.zeros(n, dtype=torch.bfloat16)
         self.triad_a = torch.zeros(n)
+        self.moments8 = Moments8bit.zeros(n)
+        self.roof_cm = torch.zeros(n, dtype=torch.uint8)
+        self.roof_cv = torch.zeros(n, dtype=torch.uint8)
         self.step = 0
 
     @staticmethod
     def bytes_needed(n: int) -> int:
-        return n * (4 * 5 + 2 * 4)
+        return n * (4 * 5 + 2 * 4 + 4)
 
 
-def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type]) -> dict[str, Callable[[], float]]:
+def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type],
+                    bnb_cls: Optional[type] = None) -> dict[str, Callable[[], float]]:
     n = buf.p.numel()
     param = torch.nn.Parameter(buf.p, requires_grad=True)
     param.grad = buf.g
@@ -114,6 +144,18 @@ def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type]) -> dict[
                 lambda: adam_step_flat(
                     buf.p, grad, m, v, step=buf.step, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
                     eps=EPS, weight_decay=WD, out_lowp=out, threads=threads,
+                )
+            )
+
+        return run
+
+    def ours8(grad, out=None):
+        def run() -> float:
+            buf.step += 1
+            return timed(
+                lambda: adam8bit_step_flat(
+                    buf.p, grad, *buf.moments8, step=buf.step, lr=LR, beta1=BETAS[0],
+                    beta2=BETAS[1], eps=EPS, weight_decay=WD, out_lowp=out, threads=threads,
                 )
             )
 
@@ -140,7 +182,17 @@ def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type]) -> dict[
         "ours bf16 all": ours(buf.g_bf16, buf.m_bf16, buf.v_bf16, buf.out_bf16),
         "torch foreach": torch_opt(foreach=True),
         "torch fused": torch_opt(fused=True),
+        "roofline 8bit": lambda: timed(
+            lambda: C.roofline_adam8bit(buf.p.data_ptr(), buf.g.data_ptr(), buf.roof_cm.data_ptr(),
+                                        buf.roof_cv.data_ptr(), n, threads)
+        ),
+        "ours 8bit": ours8(buf.g),
+        "ours 8bit bf16 g+out": ours8(buf.g_bf16, buf.out_bf16),
     }
+    if bnb_cls is not None:
+        # Its own 8-bit state (2 B/param): created by the warm-up step, outside the timings.
+        bnb = bnb_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        contenders["bnb AdamW8bit"] = lambda: timed(bnb.step)
     if ds_cls is not None:
         ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
         ds.state[param] = {"step": 0, "exp_avg": buf.m, "exp_avg_sq": buf.v}
@@ -180,6 +232,9 @@ def main() -> None:
     ds_cls, ds_reason = _load_deepspeed()
     if ds_cls is None:
         print(f"  [DeepSpeedCPUAdam] dropped: {ds_reason}")
+    bnb_cls, bnb_reason = _load_bnb()
+    if bnb_cls is None:
+        print(f"  [bnb AdamW8bit] dropped: {bnb_reason}")
 
     rows = []
     for size_m in sizes_m:
@@ -192,7 +247,7 @@ def main() -> None:
         buf = Buffers(n)
         for threads in threads_list:
             torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP pools
-            contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls).items()}
+            contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls, bnb_cls).items()}
             for fn in contenders.values():
                 fn()  # warm-up: thread pools started, code and TLB warm
             samples = interleave(contenders, repeats, desc=f"adam {size_m:g}M params, {threads} threads")
@@ -202,7 +257,9 @@ def main() -> None:
             # fewer bytes (bf16 moments: 20 B) has a higher limit in params/s, so each row is
             # compared in GB/s: its bytes/s over the roofline's, the share of the bandwidth
             # limit it reached, never a bf16 row against fp32's params/s.
+            # 8-bit rows against the loop with their own traffic (uint8 streams, no v).
             roof_gb_s = per_s.get("roofline", float("nan")) * BYTES["roofline"]
+            roof8_gb_s = per_s.get("roofline 8bit", float("nan")) * BYTES["roofline 8bit"]
             for name, t in med.items():
                 rows.append(
                     {
@@ -213,7 +270,8 @@ def main() -> None:
                         "ms": t * 1e3,
                         "Mparam/s": per_s[name] / 1e6,
                         "GB/s": per_s[name] * BYTES[name] / 1e9,
-                        "vs roofline": ratio(per_s[name] * BYTES[name], roof_gb_s),
+                        "vs roofline": ratio(per_s[name] * BYTES[name],
+                                             roof8_gb_s if "8bit" in name else roof_gb_s),
                         "vs DeepSpeed": ratio(per_s[name], per_s.get("DeepSpeedCPUAdam", float("nan"))),
                         "vs torch fused": ratio(per_s[name], per_s.get("torch fused", float("nan"))),
                     }
@@ -222,6 +280,8 @@ def main() -> None:
     torch.set_num_threads(max_threads)
 
     missing = {"DeepSpeedCPUAdam": ds_reason} if ds_reason else {}
+    if bnb_reason:
+        missing["bnb AdamW8bit"] = bnb_reason
     ratio_peers = {"vs roofline": "roofline", "vs DeepSpeed": "DeepSpeedCPUAdam",
                    "vs torch fused": "torch fused"}
     print("vs roofline: the row's GB/s (its own bytes per parameter) / the roofline's GB/s")
@@ -246,6 +306,10 @@ def _check_targets(rows: list[dict], threads: int) -> list[str]:
         if "DeepSpeedCPUAdam" in get:
             checks.append(f"fp32 {fp32['vs DeepSpeed']:.3f}x DeepSpeed (>= 1.0)")
             checks.append(f"bf16 moments {get['ours bf16 moments']['vs DeepSpeed']:.3f}x DeepSpeed (>= 1.4)")
+            if "ours 8bit" in get:
+                checks.append(f"8-bit moments {get['ours 8bit']['vs DeepSpeed']:.3f}x DeepSpeed (>= 1.5)")
+        if "ours 8bit" in get:
+            checks.append(f"8-bit {get['ours 8bit']['vs roofline']:.3f} of its roofline")
         cost = get["ours bf16 g+out"]["ms"] / fp32["ms"] - 1
         checks.append(f"bf16 grads+out cost {cost * 100:+.1f} % over fp32 (<= +10 %)")
         out.append(f"targets @ {size:g}M params, {threads} threads: " + "; ".join(checks))

@@ -1,5 +1,6 @@
 // The one extension module, offload._C. Only binding here; logic lives in csrc/aio,
-// csrc/adam and csrc/optim. Native exceptions become Python ones with errno and filename set.
+// csrc/adam, csrc/optim and csrc/adam8bit. Native exceptions become Python ones with errno
+// and filename set.
 #include <pybind11/pybind11.h>
 
 #include <cerrno>
@@ -49,5 +50,6 @@ PYBIND11_MODULE(_C, m) {
   offload::register_aio(m);
   offload::register_adam(m);
   offload::register_one_state(m);
+  offload::register_adam8bit(m);
   offload::register_checksum(m);
 }

@@ -1,0 +1,100 @@
+// The AVX2 + FMA + F16C kernel of the 8-bit Adam step: adam8bit_math.h on 8 fp32 lanes.
+// Codes are dequantised with one gather from the 256-entry map and quantised with one
+// gather from the lookup table ([Note: code lookup table], code_map.h). Compiled with the
+// AVX2 flags (CMakeLists.txt) and called only when cpu_features().avx2 is set. Equal to the
+// scalar reference bit for bit.
+#include "adam8bit/kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include "adam/simd_avx2.h"
+#include "adam8bit/adam8bit_math.h"
+
+namespace offload {
+namespace {
+
+struct Avx2Lanes {
+  using V = __m256;
+  using I = __m256i;
+  static constexpr size_t kWidth = 8;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <DType D>
+  static V load(const void* base, size_t i) {
+    return load8<D>(base, i);
+  }
+  template <DType D>
+  static void store(void* base, size_t i, V v) {
+    store8<D>(base, i, v);
+  }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V dequant(const float* values, const uint8_t* codes, size_t i) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    return _mm256_i32gather_ps(values, _mm256_cvtepu8_epi32(c), 4);
+  }
+  static void dequant_block(const CodeMap& map, const uint8_t* codes, size_t len, float* buf) {
+    adam8bit_math::dequant_vectors<Avx2Lanes>(map, codes, len, buf);
+  }
+  static I zero_bits() { return _mm256_setzero_si256(); }
+  static I max_abs_bits(I acc, V x) {
+    const __m256i b = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+    return _mm256_max_epu32(acc, b);
+  }
+  static uint32_t reduce_max(I acc) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+  }
+  // code_lookup (code_map.h) on 8 lanes, then narrowed to 8 bytes.
+  static void quantize(const CodeMap& map, uint8_t* codes, size_t i, V y) {
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i negative = _mm256_srai_epi32(bits, 31);  // all ones where y < 0
+    __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(mag, kLutShift), _mm256_set1_epi32(kLutBias));
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()),
+                         _mm256_set1_epi32(kLutBuckets - 1));
+    b = _mm256_add_epi32(b, _mm256_and_si256(negative, _mm256_set1_epi32(kLutBuckets)));
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.lut), b, 4);
+    const __m256i low = _mm256_and_si256(mag, _mm256_set1_epi32(kLutLowMask));
+    const __m256i no_step = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), low);
+    const __m256i delta = _mm256_or_si256(negative, _mm256_set1_epi32(1));  // +1 or -1
+    const __m256i q = _mm256_add_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xFF)),
+                                       _mm256_andnot_si256(no_step, delta));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+  }
+};
+
+struct Avx2Impl {
+  template <DType G, DType O, bool L2>
+  static void step(const Adam8bitBuffers& b, const AdamScalars& s, size_t block_begin,
+                   size_t block_end) {
+    adam8bit_math::step_blocks<Avx2Lanes, G, O, L2>(b, s, block_begin, block_end);
+  }
+  static void quantize(const float* src, uint8_t* codes, float* scales, size_t n,
+                       const CodeMap& map, size_t block_begin, size_t block_end) {
+    adam8bit_math::quantize_blocks<Avx2Lanes>(src, codes, scales, n, map, block_begin, block_end);
+  }
+};
+
+}  // namespace
+
+Adam8bitKernelSet avx2_adam8bit_kernels() {
+  return adam8bit_select::make_kernel_set<Avx2Impl>(&adam8bit_math::adam8bit_traffic);
+}
+
+}  // namespace offload
+
+#else  // not x86-64
+
+namespace offload {
+Adam8bitKernelSet avx2_adam8bit_kernels() { return {}; }
+}  // namespace offload
+
+#endif

@@ -1,0 +1,81 @@
+// A code map with what the quantiser needs to find the nearest code fast: the midpoint
+// thresholds (the definition) and a lookup table on the value's bit pattern (the SIMD
+// kernels' path to the same answer). Built once per map at first use (adam8bit.cpp), read by
+// every kernel.
+//
+// [Note: nearest code] For sorted codes c[0..255], thresholds[j] is the smallest fp32 >=
+// (c[j] + c[j+1]) / 2 (the midpoint is exact in double, then rounded up to fp32), and the
+// code of an fp32 y is #{j < 255 : thresholds[j] <= y}: the nearest code, ties (y exactly on
+// a representable midpoint) to the larger one. `code_search` evaluates that count with a
+// branch-free binary search (8 compares); it is the scalar reference.
+//
+// [Note: code lookup table] The SIMD kernels look the count up instead. The bucket of |y| is
+// its exponent and top kLutMantBits mantissa bits; within one bucket the count changes at
+// most once (the builder checks it for every bucket, or throws), so one 32-bit entry holds
+// the count at the bucket's start (low 8 bits) and the offset of the low mantissa bits at
+// which it steps by one (bits 8..24; kLutNever: no step), up for y > 0, down for y < 0. One
+// gather, a compare and an add per vector instead of eight dependent gathers. The buckets
+// cover |y| in [2^-23, 1) with 2^7 per binade (the unsigned map's densest binade, [0.5, 1),
+// holds 72 thresholds 0.007 apart and needs 7 bits); |y| < 2^-23 (below every nonzero
+// code's midpoint) and |y| >= 1 take one constant bucket each. Per sign 23 * 128 + 2
+// entries: 23.6 KB per map, of which a step touches the few binades its values fall into.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "adam/adam_math.h"
+
+namespace offload {
+
+constexpr int kLutMantBits = 7;
+constexpr int kLutShift = 23 - kLutMantBits;            // low mantissa bits inside a bucket
+constexpr uint32_t kLutLowMask = (1u << kLutShift) - 1;
+constexpr int32_t kLutMinExponent = 127 - 23;           // biased exponent of 2^-23
+constexpr int32_t kLutBias = (kLutMinExponent << kLutMantBits) - 1;  // bucket 1 starts at 2^-23
+constexpr int32_t kLutBuckets = 23 * (1 << kLutMantBits) + 2;        // per sign
+constexpr uint32_t kLutNever = 1u << kLutShift;         // an offset no low bits reach
+
+struct CodeMap {
+  float values[256];      // ascending
+  float thresholds[256];  // [Note: nearest code]; [255] = +inf, never read by the search
+  uint32_t lut[2 * kLutBuckets];  // [Note: code lookup table]: y >= 0, then y < 0
+  uint8_t zero_code;      // the index of 0.0: what zeros and non-finite blocks store
+  // value_bytes[k][c]: byte k (little-endian) of values[c]: four 256-byte tables that the
+  // AVX512-VBMI kernel permutes bytes from instead of gathering floats.
+  alignas(64) uint8_t value_bytes[4][256];
+};
+
+// The map of exp_avg (signed) or exp_avg_sq (unsigned); thread-safe, built on first call.
+const CodeMap& code_map(bool is_signed);
+
+// Internal linkage: see [Note: one copy per ISA] in csrc/adam/adam_math.h.
+namespace {
+
+// [Note: nearest code]: the count of thresholds <= y, by binary search.
+inline uint32_t code_search(const CodeMap& map, float y) {
+  uint32_t q = 0;
+  for (uint32_t step = 128; step != 0; step >>= 1) {
+    q += map.thresholds[q + step - 1] <= y ? step : 0;
+  }
+  return q;
+}
+
+// The bucket of a bit pattern's magnitude, clamped to the table ([Note: code lookup table]).
+inline int32_t lut_bucket(uint32_t magnitude_bits) {
+  const int32_t b = static_cast<int32_t>(magnitude_bits >> kLutShift) - kLutBias;
+  return b < 0 ? 0 : (b > kLutBuckets - 1 ? kLutBuckets - 1 : b);
+}
+
+// The same count by table lookup: what the SIMD kernels compute, one element at a time.
+inline uint32_t code_lookup(const CodeMap& map, float y) {
+  const uint32_t bits = adam_math::bits_of(y);
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  const uint32_t negative = bits >> 31;
+  const uint32_t e = map.lut[lut_bucket(mag) + (negative ? kLutBuckets : 0)];
+  const bool step = (mag & kLutLowMask) >= (e >> 8);
+  return (e & 0xFFu) + (step ? (negative ? 0xFFFFFFFFu : 1u) : 0u);
+}
+
+}  // namespace
+}  // namespace offload
