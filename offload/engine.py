@@ -72,8 +72,10 @@ def initialize(
         for the defaults.
     optimizer: None (one group from `config.optimizer`); a dict of hyperparameters that
         override it; a list of torch-style param groups (`[{"params": [...], "weight_decay":
-        0.0}, ...]` over the model's parameters); or a `torch.optim.Adam`/`AdamW` built on
-        the model, whose groups and hyperparameters are taken over (its state is not).
+        0.0}, ...]` over the model's parameters); or a `torch.optim.Adam`/`AdamW`/`Adagrad`
+        (or a `lion_pytorch.Lion`) built on the model, whose type, groups and hyperparameters
+        are taken over (its state is not). config.optimizer.type picks Adam, AdamW, Lion or
+        Adagrad otherwise (offload/optim/kinds.py).
     lr_scheduler: a `torch.optim.lr_scheduler` object over `engine.optimizer` cannot exist
         yet, so pass a callable `optimizer -> scheduler`; it is built on `engine.optimizer`
         and stepped by `engine.step()` at every applied optimizer step (as DeepSpeed does).
@@ -141,7 +143,7 @@ class Engine:
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,
             rank=self.rank, param_tier=self.param_tier, threads=config.cpu_adam_threads,
-            store=built.optimizer_states,
+            store=built.optimizer_states, kind=built.kind,
         )
         tl = config.timeline
         self.timeline = Timeline(tl.enabled, tl.path,

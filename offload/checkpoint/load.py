@@ -142,14 +142,14 @@ def load_units(
             if in_place:
                 with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
-                    dest = {name: live[name] for name in ("master", "exp_avg", "exp_avg_sq")}
+                    dest = {name: live[name] for name in ("master", *sharded.optimizer.state_names)}
                 _check_live(unit, dest, unit.master_numel, n_opt)
             else:
                 t = sharded.optimizer.begin_overwrite(unit.index)
                 if t is None:
                     raise RuntimeError("the optimizer store hands out neither live tensors nor slots")
                 slots[unit.index] = t
-                dest = {"master": t.master, "exp_avg": t.exp_avg, "exp_avg_sq": t.exp_avg_sq}
+                dest = {"master": t.master, **t.moments}
             pending[unit.index] = dest
             old = old_units[unit.name]
             if not in_place:
@@ -208,11 +208,9 @@ def _source_in_place(
         return None
     lay = store.layouts[unit.index]
     offsets = {}
-    for name, dtype, numel in (
-        ("master", torch.float32, lay.master_numel),
-        ("exp_avg", store.moment_dtype, lay.moment_numel),
-        ("exp_avg_sq", store.moment_dtype, lay.moment_numel),
-    ):
+    tensors = [("master", torch.float32, lay.master_numel)]
+    tensors += [(name, store.moment_dtype, lay.moment_numel) for name in lay.names]
+    for name, dtype, numel in tensors:
         rec = by_key.get((old["index"], name))
         if rec is None or rec["numel"] != numel or rec["dtype"] != name_of(dtype):
             return None
@@ -257,8 +255,8 @@ def state_in_host_memory(sharded: ShardedState) -> bool:
 
 
 def _check_live(unit: Any, dest: dict[str, torch.Tensor], n_master: int, n_opt: int) -> None:
-    for name, want in (("master", n_master), ("exp_avg", n_opt), ("exp_avg_sq", n_opt)):
-        t = dest[name]
+    for name, t in dest.items():
+        want = n_master if name == "master" else n_opt
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != want:
             raise RuntimeError(
                 f"unit {unit.name or '<root>'} {name}: the host optimizer state is not a "

@@ -102,6 +102,8 @@ def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[st
             "compute": name_of(sharded.dtype),
         },
         "param_groups": len(sharded.optimizer.param_groups),
+        "optimizer": {"type": sharded.optimizer.kind,
+                      "state": list(sharded.optimizer.state_names)},
         "global_steps": sharded.counters.global_steps,
         "config": cfg.to_dict(),
         "model": model_signature(sharded),
@@ -227,8 +229,34 @@ def check_compatible(saved: dict[str, Any], sharded: ShardedState) -> None:
                 f"{s['offset']} in group {s['group']} here: build the optimizer param groups "
                 "the way the saving run did"
             )
+    check_optimizer(saved, sharded.optimizer)
     if saved["param_groups"] != len(sharded.optimizer.param_groups):
         raise ValueError(
             f"checkpoint has {saved['param_groups']} optimizer param groups, this engine "
             f"{len(sharded.optimizer.param_groups)}"
         )
+
+
+def saved_optimizer(saved: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """(type, state tensor names) of the optimizer that saved `saved`. A checkpoint from
+    before other optimizers ran names none: Adam/AdamW, as its config says."""
+    entry = saved.get("optimizer")
+    if entry is not None:
+        return str(entry["type"]), tuple(entry["state"])
+    kind = saved.get("config", {}).get("optimizer", {}).get("type", "AdamW")
+    return str(kind), ("exp_avg", "exp_avg_sq")
+
+
+def check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
+    """A checkpoint's optimizer state is another optimizer's (Lion's exp_avg is not Adam's,
+    Adagrad's sum is no moment): refused, naming both. Adam and AdamW share their state."""
+    kind, names = saved_optimizer(saved)
+    if names != tuple(optimizer.state_names):
+        raise ValueError(
+            f"checkpoint {saved.get('tag')!r} holds the state of a {kind} optimizer "
+            f"({', '.join(names)}), but this engine runs {optimizer.kind} "
+            f"({', '.join(optimizer.state_names)}): set optimizer.type={kind!r} (or pass that "
+            "optimizer to offload.initialize) to resume it, or carry over only its weights: "
+            "python -m offload.checkpoint consolidate CKPT OUT, then engine.load_full_state_dict"
+        )
+

@@ -1,7 +1,8 @@
 """`save_checkpoint`: every rank writes its shards in parallel; rank 0 publishes.
 
 Per rank (all at once, no collective in the data path):
-- `rankNNNNN.shards`: for each unit in order, the fp32 master, exp_avg and exp_avg_sq of the
+- `rankNNNNN.shards`: for each unit in order, the fp32 master and the optimizer's state tensors
+  (Adam's exp_avg and exp_avg_sq, Lion's exp_avg, Adagrad's sum: torch's names) of the
   rank's shard, read through `ShardedAdam.unit_state` (the contract the NVMe tier keeps, so
   state on NVMe streams through the same bounded buffers), and "frozen": the frozen suffix
   of the rank's parameter shard in the compute dtype (`FlatUnit.read_frozen`; the values
@@ -46,8 +47,6 @@ from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointIO
 from offload.runtime.view import Location, ShardedState
-
-_STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(
@@ -179,7 +178,7 @@ def _write_rank(
         indices = [unit.index for unit in sharded.units]
         for i, index in enumerate(indices):
             state = states.open(index, writer, following=indices[i + 1 : i + 2])
-            for name in _STATE_KEYS:
+            for name in ("master", *sharded.optimizer.state_names):
                 writer.write(index, name, state[name])
             writer.write(index, "frozen", sharded.units[index].read_frozen())
             slot_steps[index] = [int(s) for s in state["slot_steps"]]
@@ -285,7 +284,7 @@ class _UnitStates:
 
 
 def _shards_bytes(sharded: ShardedState) -> int:
-    """The size of this rank's shard file: per unit, the master, the two moments and the
+    """The size of this rank's shard file: per unit, the master, the state tensors and the
     frozen suffix, each rounded up to 4 KiB (ShardWriter's layout)."""
     from offload.optim.sharded import moments_dtype
     from offload.sizes import align_up
@@ -295,7 +294,8 @@ def _shards_bytes(sharded: ShardedState) -> int:
     for unit in sharded.units:
         layout = unit.layout
         total += align_up(unit.master_numel * 4)
-        total += 2 * align_up(layout.shard_optimized_numel(sharded.rank) * m_size)
+        total += len(sharded.optimizer.state_names) * align_up(
+            layout.shard_optimized_numel(sharded.rank) * m_size)
         total += align_up(unit.frozen_numel * unit.dtype.itemsize)
     return total
 

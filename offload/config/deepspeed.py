@@ -68,7 +68,7 @@ __all__ = ["translate_deepspeed", "DS_ONLY_TOP_KEYS"]
 
 _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
                      "adam_w_mode", "torch_adam", "fp32_optimizer_states", "foreach",
-                     "set_grad_none", "max_grad_norm")
+                     "set_grad_none", "max_grad_norm", "lr_decay", "initial_accumulator_value")
 _FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
               "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 _BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "check_overflow",
@@ -315,37 +315,69 @@ def _precision(t: Translation) -> int:
     return 4 if dtype == "fp32" else 2
 
 
+_UNRUNNABLE_OPTIMIZERS = {
+    "lamb": "LAMB's layer-wise trust ratio needs each parameter's whole norm, which a flat "
+            "shard split across ranks does not hold",
+    "onebitadam": "1-bit Adam compresses gradient communication with error feedback, which "
+                  "offload's reduce-scatter does not do",
+    "onebitlamb": "1-bit LAMB compresses communication and needs whole-parameter norms",
+    "zerooneadam": "0/1 Adam compresses communication with variance freezing, which offload "
+                   "does not do",
+    "sgd": "offload has no SGD kernel yet (the engine runs Adam, AdamW, Lion and Adagrad)",
+    "muadam": "MuAdam (mup) scales each parameter's learning rate by its shape, which the "
+              "flat shards do not carry",
+    "muadamw": "MuAdamW (mup) scales each parameter's learning rate by its shape",
+    "musgd": "MuSGD (mup) is SGD with per-shape learning rates; offload has no SGD kernel",
+    "muon": "Muon orthogonalizes each whole weight matrix, which a flat shard does not hold",
+}
+"""DeepSpeed optimizer names (lower-cased, as it compares them) offload cannot run, and why."""
+
+
 def _optimizer(t: Translation) -> None:
-    """optimizer -> optimizer, with DeepSpeed's Adam/AdamW semantics and defaults."""
+    """optimizer -> optimizer, with DeepSpeed's semantics and defaults: Adam/AdamW, Lion
+    (DeepSpeedCPULion / FusedLion) and Adagrad (DeepSpeedCPUAdagrad / torch.optim.Adagrad)."""
     if t.ds.get("optimizer") is None:
         return
     opt = read_section("optimizer", t.ds["optimizer"], ("type", "params", "legacy_fusion"))
     if "legacy_fusion" in opt:
         t.ignore("optimizer.legacy_fusion", "fused-kernel choice")
     if "type" not in opt:
-        raise ConfigError("optimizer.type", "is missing", "set it to 'Adam' or 'AdamW'")
+        raise ConfigError("optimizer.type", "is missing", "set it to 'Adam', 'AdamW', 'Lion' or 'Adagrad'")
     name = coerce("optimizer.type", opt["type"], str)
-    if name.lower() not in ("adam", "adamw"):  # DeepSpeed lower-cases its optimizer names
-        raise ConfigError("optimizer.type", f"= {name!r} is not supported: offload's optimizer is its "
-                          "CPU Adam/AdamW", "use 'Adam' or 'AdamW' (or train this model with DeepSpeed)")
+    low = name.lower()  # DeepSpeed lower-cases its optimizer names
+    if low in _UNRUNNABLE_OPTIMIZERS:
+        raise ConfigError("optimizer.type", f"= {name!r} is not supported: {_UNRUNNABLE_OPTIMIZERS[low]}",
+                          "use 'Adam', 'AdamW', 'Lion' or 'Adagrad' (or train this model with DeepSpeed)")
+    if low not in ("adam", "adamw", "lion", "adagrad"):
+        raise ConfigError("optimizer.type", f"= {name!r} is not supported: offload runs its CPU "
+                          "Adam/AdamW, Lion and Adagrad", "use 'Adam', 'AdamW', 'Lion' or 'Adagrad' "
+                          "(or train this model with DeepSpeed)")
     params = read_section("optimizer.params", opt.get("params"), _OPTIMIZER_PARAMS)
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm", "is not supported (DeepSpeed rejects it too)",
                           "use the top-level 'gradient_clipping' instead")
+    only_off("optimizer.params.fp32_optimizer_states", params.get("fp32_optimizer_states"), True,
+             "offload keeps Adam moments in fp32 (Lion's momentum, Adagrad's sum too) unless its own "
+             "optimizer.moments_dtype says bf16",
+             "remove it")
+    if low in ("lion", "adagrad"):
+        _lion_or_adagrad(t, low, params)
+        return
+    for key in ("lr_decay", "initial_accumulator_value"):
+        if key in params:
+            raise ConfigError(f"optimizer.params.{key}", f"is an Adagrad parameter, not {name}'s",
+                              "remove it")
     only_off("optimizer.params.amsgrad", params.get("amsgrad"), False,
              "offload's Adam has no AMSGrad variant", "remove it")
     only_off("optimizer.params.bias_correction", params.get("bias_correction"), True,
              "offload's Adam always applies bias correction", "remove it")
-    only_off("optimizer.params.fp32_optimizer_states", params.get("fp32_optimizer_states"), True,
-             "offload keeps Adam moments in fp32 unless its own optimizer.moments_dtype says bf16",
-             "remove it")
     torch_adam = coerce("optimizer.params.torch_adam", params.get("torch_adam", False), bool)
     adam_w_mode = coerce("optimizer.params.adam_w_mode", params.get("adam_w_mode", True), bool)
     # DeepSpeed (engine._configure_basic_optimizer): "AdamW" is always decoupled; "Adam" is
     # decoupled too unless adam_w_mode is false. Defaults are those of the class DeepSpeed
     # builds: DeepSpeedCPUAdam / FusedAdam (lr 1e-3, weight_decay 0), or with torch_adam
     # torch.optim.AdamW (weight_decay 0.01) / torch.optim.Adam (0).
-    decoupled = name.lower() == "adamw" or adam_w_mode
+    decoupled = low == "adamw" or adam_w_mode
     t.set("optimizer.type", "AdamW" if decoupled else "Adam", "optimizer.type")
     t.set("optimizer.lr", 1e-3, "optimizer.params.lr")
     t.set("optimizer.weight_decay", 0.01 if torch_adam and decoupled else 0.0,
@@ -358,6 +390,37 @@ def _optimizer(t: Translation) -> None:
                      ("set_grad_none", "implementation choice")):
         if key in params:
             t.ignore(f"optimizer.params.{key}", why)
+
+
+def _lion_or_adagrad(t: Translation, low: str, params: dict[str, Any]) -> None:
+    """Lion: DeepSpeedCPULion / FusedLion's parameters and defaults (lr 1e-3, betas
+    (0.9, 0.999), weight_decay 0). Adagrad: DeepSpeedCPUAdagrad's (lr 1e-2, eps 1e-10,
+    weight_decay 0); lr_decay and initial_accumulator_value, which only torch.optim.Adagrad
+    (DeepSpeed without a CPU optimizer) takes, pass through, default 0."""
+    kind = "Lion" if low == "lion" else "Adagrad"
+    takes = {"Lion": ("lr", "betas", "weight_decay"),
+             "Adagrad": ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value")}[kind]
+    for key in params:
+        if key in ("set_grad_none", "foreach", "fp32_optimizer_states"):
+            continue
+        if key == "amsgrad" and kind == "Adagrad":
+            only_off("optimizer.params.amsgrad", params[key], False,
+                     "Adagrad has no AMSGrad variant (DeepSpeedCPUAdagrad ignores it)", "remove it")
+            continue
+        if key not in takes:
+            raise ConfigError(f"optimizer.params.{key}", f"is not a parameter of {kind}",
+                              f"{kind} takes: {', '.join(takes)}")
+    t.set("optimizer.type", kind, "optimizer.type")
+    t.set("optimizer.lr", 1e-3 if kind == "Lion" else 1e-2, "optimizer.params.lr")
+    t.set("optimizer.weight_decay", 0.0, "optimizer.params.weight_decay")
+    if kind == "Adagrad":
+        t.set("optimizer.eps", 1e-10, "optimizer.params.eps")
+    for key in takes:
+        if key in params:
+            t.set(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
+    for key in ("set_grad_none", "foreach"):
+        if key in params:
+            t.ignore(f"optimizer.params.{key}", "implementation choice")
 
 
 def _scheduler(t: Translation) -> Optional[SchedulerConfig]:

@@ -63,29 +63,46 @@ BufferDtype = Literal["keep", "compute", "fp32", "bf16", "fp16"]
 class OptimizerConfig(Section):
     _SECTION: ClassVar[str] = "optimizer"
 
-    type: Literal["AdamW", "Adam"] = "AdamW"
-    """AdamW: decoupled weight decay; Adam: L2 added to the gradient."""
+    type: Literal["AdamW", "Adam", "Lion", "Adagrad"] = "AdamW"
+    """AdamW: decoupled weight decay; Adam: L2 added to the gradient; Lion (lr, betas,
+    weight_decay: decoupled); Adagrad (lr, lr_decay, weight_decay as L2, eps,
+    initial_accumulator_value). docs/adam.md, "The engine's optimizers"."""
     lr: float = 1e-3
     """Learning rate (before any schedule), per optimizer step."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Decay rates of the first and second moment, each in [0, 1)."""
+    """Decay rates of the first and second moment, each in [0, 1) (Lion: the update's
+    interpolation and the momentum's decay, each in [0, 1])."""
     eps: float = 1e-8
     """Added to the denominator's square root (torch's placement), >= 0."""
     weight_decay: float = 0.01
     """Per-step decay coefficient (decoupled for AdamW, L2 for Adam), >= 0."""
     moments_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Adam moments' storage dtype; bf16 halves their memory and I/O (opt-in)."""
+    """The optimizer state's storage dtype (Adam's moments, Lion's momentum, Adagrad's sum);
+    bf16 halves their memory and I/O (opt-in)."""
+    lr_decay: float = 0.0
+    """Adagrad only: the step size is lr / (1 + (step - 1) * lr_decay), >= 0."""
+    initial_accumulator_value: float = 0.0
+    """Adagrad only: the value its sum of squared gradients starts at, >= 0."""
 
     def _check(self) -> None:
         require(self.lr >= 0, self._key("lr"), self.lr, "the learning rate must be >= 0",
                 "set a non-negative learning rate (1e-3 is DeepSpeed's and torch's default)")
+        top = 1.0 if self.type == "Lion" else 0.0  # Lion's betas may be 1 (lion-pytorch's check)
         for i, beta in enumerate(self.betas):
-            require(0.0 <= beta < 1.0, self._key(f"betas[{i}]"), beta, "each beta must be in [0, 1)",
-                    "use values like [0.9, 0.999]")
+            require(0.0 <= beta and (beta < 1.0 or beta <= top), self._key(f"betas[{i}]"), beta,
+                    f"each beta must be in [0, {'1]' if top else '1)'} for {self.type}",
+                    "use values like [0.9, 0.99] for Lion, [0.9, 0.999] for Adam")
         require(self.eps >= 0, self._key("eps"), self.eps, "eps must be >= 0",
                 "use a small positive value such as 1e-8")
         require(self.weight_decay >= 0, self._key("weight_decay"), self.weight_decay,
                 "weight decay must be >= 0", "use 0 to disable weight decay")
+        for key in ("lr_decay", "initial_accumulator_value"):
+            value = getattr(self, key)
+            require(value >= 0, self._key(key), value, f"{key} must be >= 0",
+                    "use 0 (torch.optim.Adagrad's default)")
+            require(value == 0 or self.type == "Adagrad", self._key(key), value,
+                    f"only Adagrad has {key}, this optimizer is {self.type}",
+                    "remove it, or set optimizer.type='Adagrad'")
 
 
 SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {

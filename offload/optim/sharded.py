@@ -1,17 +1,19 @@
-"""The optimizer over shards: fp32 master + Adam moments per unit shard, in CPU memory or on NVMe.
+"""The optimizer over shards: fp32 master + the optimizer's state per unit shard, in CPU memory or on NVMe.
 
-`ShardedAdam` is a `torch.optim.Optimizer` so that every `torch.optim.lr_scheduler` drives
+`ShardedOptimizer` (alias `ShardedAdam`) runs Adam, AdamW, Lion or Adagrad
+(offload/optim/kinds.py: each one's state tensors, hyperparameters and kernel). It is a `torch.optim.Optimizer` so that every `torch.optim.lr_scheduler` drives
 it through `param_groups` (lr, betas, eps, weight_decay per group). Its state is not
-torch's per-parameter dict but one `UnitOptimizerState` per unit: flat fp32 tensors
+torch's per-parameter dict but one `UnitOptimizerState` per unit: flat tensors
 covering this rank's shard, kept by a store (`offload.storage.optim_state`: host memory, or a swap
-file on NVMe streamed through pinned buffers). One step calls `offload.optim.adam_step_flat`
-once per run of elements sharing a group and a step count (usually once per group per unit),
+file on NVMe streamed through pinned buffers). One step calls the type's flat kernel
+(`adam_step_flat`, `lion_step_flat`, `adagrad_step_flat`) once per run of elements sharing a group and a step count (usually once per group per unit),
 with the loss-scale/clip factor folded into `grad_scale` and the new low-precision parameters
 written in the same pass (`out_lowp`). The units go through the store's pipeline
 ([Note: optimizer pipeline] in offload/storage/optim_state.py): with NVMe, unit i+1's state is read
 while unit i is updated and unit i-1's state and parameter shard are written back.
 
-Semantics are torch.optim.AdamW's (or Adam's with L2 when type='Adam'): a parameter that
+Semantics are torch.optim.AdamW's (or Adam's with L2 when type='Adam', torch.optim.Adagrad's,
+lion-pytorch's Lion): a parameter that
 received no gradient in a step is skipped (no decay, no moment update, its step count does
 not advance), as torch skips parameters whose `.grad` is None.
 """
@@ -24,10 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
-from torch import nn
 
 from offload.dtypes import MOMENT_DTYPES
-from offload.optim.functional import adam_step_flat
+from offload.optim.kinds import initial_value, resolve_param_groups, state_names, update_fn
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.tiers import Tier, wait
@@ -67,16 +68,17 @@ class UnitOptimizerState:
         is a view of the parameter shard itself.
     grad: fp32, as long as the master; reduce-scatter output, accumulated over
         micro-batches. Always in host memory.
-    exp_avg / exp_avg_sq: the shard's optimized prefix only (frozen parameters get none).
-    With the optimizer tier on NVMe, master / exp_avg / exp_avg_sq are None: the state lives
-    in the swap file and is reached through `ShardedAdam.unit_state` or the step.
+    moments: the optimizer's state tensors by name (`offload.optim.kinds.STATE_NAMES`: Adam's
+        exp_avg and exp_avg_sq, Lion's exp_avg, Adagrad's sum), over the shard's optimized
+        prefix only (frozen parameters get none).
+    With the optimizer tier on NVMe, master and moments are None: the state lives
+    in the swap file and is reached through `ShardedOptimizer.unit_state` or the step.
     """
 
     unit: FlatUnit
     master: Optional[torch.Tensor]
     grad: torch.Tensor
-    exp_avg: Optional[torch.Tensor]
-    exp_avg_sq: Optional[torch.Tensor]
+    moments: Optional[dict[str, torch.Tensor]]
     slot_steps: list[int]
     slot_has_grad: list[bool] = field(default_factory=list)
     grad_valid: bool = False
@@ -89,13 +91,21 @@ class UnitOptimizerState:
         return self.unit.layout
 
     @property
+    def exp_avg(self) -> Optional[torch.Tensor]:
+        return None if self.moments is None else self.moments.get("exp_avg")
+
+    @property
+    def exp_avg_sq(self) -> Optional[torch.Tensor]:
+        return None if self.moments is None else self.moments.get("exp_avg_sq")
+
+    @property
     def optimized_numel(self) -> int:
         return self.n_optimized
 
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)
+            for t in (self.master, self.grad, *(self.moments or {}).values())
             if t is not None
         )
 
@@ -117,8 +127,8 @@ def transient_grad_shards(config: Any, compute_on_gpu: bool) -> bool:
     )
 
 
-class ShardedAdam(torch.optim.Optimizer):
-    """Adam/AdamW over flat shards. Built by the engine; users touch `param_groups` (and
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW/Lion/Adagrad over flat shards (`kind`). Built by the engine; users touch `param_groups` (and
     schedulers do). `step(grad_scale=...)` is called by `engine.step()` at accumulation
     boundaries; `grad_scale=None` records a skipped step (fp16 overflow)."""
 
@@ -127,12 +137,13 @@ class ShardedAdam(torch.optim.Optimizer):
         param_groups: list[dict[str, Any]],
         states: list[UnitOptimizerState],
         *,
-        decoupled_weight_decay: bool,
+        decoupled_weight_decay: bool = False,
         rank: int,
         param_tier: Tier,
         threads: int = 0,
         adam_fn: Optional[Callable[..., None]] = None,
         store: Any = None,
+        kind: Optional[str] = None,
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
         self._groups_fixed = False  # torch's __init__ adds the engine's groups itself
@@ -143,7 +154,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self.store = store if store is not None else HostOptimizerStates(states)
         """Where master and moments live (`offload.storage.optim_state`): host memory
         (`store.resident`) or a swap file on NVMe."""
-        self.decoupled_weight_decay = decoupled_weight_decay
+        self.kind = kind or ("AdamW" if decoupled_weight_decay else "Adam")
+        """The optimizer type (`offload.optim.kinds.KINDS`)."""
+        self.state_names = state_names(self.kind)
+        """Its state tensors per unit, beside the master (torch's names)."""
+        self.decoupled_weight_decay = self.kind == "AdamW"
         self.rank = rank
         self.param_tier = param_tier
         self._adam_fn = adam_fn
@@ -154,19 +169,28 @@ class ShardedAdam(torch.optim.Optimizer):
         ]
         """Units with something to optimize, in order (fixed by the layout)."""
         self._work_set = frozenset(self._work)
+        self._fill_initial_state()
 
     def _adam(self) -> Callable[..., None]:
-        if self._adam_fn is not None:
-            return self._adam_fn
-        fn = adam_step_flat
-        if self._threads > 0:
-            threads = self._threads  # config.cpu_adam_threads
+        """The update one run calls (`offload.optim.kinds.update_fn`)."""
+        return update_fn(self.kind, decoupled=self.decoupled_weight_decay,
+                         threads=self._threads, adam_fn=self._adam_fn)
 
-            def with_threads(*args: Any, **kwargs: Any) -> None:
-                fn(*args, threads=threads, **kwargs)
-
-            return with_threads
-        return fn
+    @torch.no_grad()
+    def _fill_initial_state(self) -> None:
+        """State tensors that do not start at zero (Adagrad's sum at a group's
+        initial_accumulator_value): filled over each group's elements once, at build."""
+        starts = [[initial_value(n, g) for n in self.state_names] for g in self.param_groups]
+        if not any(v for row in starts for v in row):
+            return
+        for i in self._work:
+            st = self.unit_states[i]
+            slots = st.layout.slots
+            runs = update_runs(st.layout, self.rank, [True] * len(slots), [1] * len(slots))
+            with self.store.open(st.unit.index, write=True) as t:
+                for run in runs:
+                    for name, value in zip(self.state_names, starts[run.group]):
+                        t.moments[name][run.start : run.end].fill_(value)
 
     @torch.no_grad()
     def step(
@@ -175,7 +199,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """Update every unit (but those in `skip`: already updated during backward by
         `update_unit`) through the store's pipeline."""
         if closure is not None:
-            raise TypeError("ShardedAdam.step takes no closure; call engine.step()")
+            raise TypeError("engine.optimizer.step takes no closure; call engine.step()")
         if grad_scale is None:
             self.store.cancel_prefetch()
             return
@@ -222,22 +246,10 @@ class ShardedAdam(torch.optim.Optimizer):
             # values, which are always the master rounded to the compute dtype.
             _fill_outside_runs(lowp, t.master, runs)
         for run in runs:
-            g = self.param_groups[run.group]
-            beta1, beta2 = g["betas"]
             sl = slice(run.start, run.end)
             adam(
-                t.master[sl],
-                st.grad[sl],
-                t.exp_avg[sl],
-                t.exp_avg_sq[sl],
-                step=run.step,
-                lr=float(g["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(g["eps"]),
-                weight_decay=float(g["weight_decay"]),
-                decoupled_weight_decay=self.decoupled_weight_decay,
-                grad_scale=float(grad_scale),
+                t.master[sl], st.grad[sl], [t.moments[n][sl] for n in self.state_names],
+                step=run.step, group=self.param_groups[run.group], grad_scale=grad_scale,
                 out_lowp=None if lowp is None else lowp[sl],
             )
         st.slot_steps = new_steps
@@ -307,7 +319,8 @@ class ShardedAdam(torch.optim.Optimizer):
     def unit_state(self, index: int) -> Iterator[dict[str, Any]]:
         """This rank's optimizer state of unit `index`, as host tensors, for reading.
 
-        Yields {"master", "exp_avg", "exp_avg_sq": 1-D host tensors, "slot_steps": list}
+        Yields {"master" and each of `state_names` (Adam: "exp_avg", "exp_avg_sq"): 1-D host
+        tensors, "slot_steps": list}
         (frozen values are in the parameter shard: `FlatUnit.read_frozen`).
         The tensors are valid only inside the context: a tier that keeps the state off-host
         (NVMe) reads it into pooled buffers and takes them back on exit. This is the one
@@ -316,12 +329,7 @@ class ShardedAdam(torch.optim.Optimizer):
         """
         st = self._state_of(index)
         with self.store.open(st.unit.index) as t:
-            yield {
-                "master": t.master,
-                "exp_avg": t.exp_avg,
-                "exp_avg_sq": t.exp_avg_sq,
-                "slot_steps": list(st.slot_steps),
-            }
+            yield {"master": t.master, **t.moments, "slot_steps": list(st.slot_steps)}
 
     def load_unit_state(self, index: int, state: Mapping[str, Any]) -> None:
         """Overwrite unit `index`'s state (same keys as `unit_state`) and republish its
@@ -329,12 +337,15 @@ class ShardedAdam(torch.optim.Optimizer):
         when given (`FlatUnit.publish`). Shapes must match this engine's layout. With the
         state on NVMe it is written through to the swap file."""
         st = self._state_of(index)
-        want = {
-            "master": (st.unit.master_numel,),
-            "exp_avg": (st.optimized_numel,),
-            "exp_avg_sq": (st.optimized_numel,),
-        }
+        want = {"master": (st.unit.master_numel,)}
+        want.update({name: (st.optimized_numel,) for name in self.state_names})
         for name, shape in want.items():
+            if name not in state:
+                raise KeyError(
+                    f"unit {st.unit.name or '<root>'}: the state has no {name!r} "
+                    f"({self.kind} keeps {', '.join(self.state_names)}; it holds "
+                    f"{', '.join(k for k in state if k not in ('master', 'slot_steps'))})"
+                )
             src = state[name]
             if tuple(src.shape) != shape:
                 raise ValueError(
@@ -343,7 +354,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 )
         with self.store.open(st.unit.index, write=True, overwrite=True) as t:
             for name in want:
-                getattr(t, name).copy_(state[name])
+                t.get(name).copy_(state[name])
             st.slot_steps = [int(s) for s in state["slot_steps"]]
             st.unit.publish(t.master, state.get("frozen"))
 
@@ -451,8 +462,8 @@ class ShardedAdam(torch.optim.Optimizer):
         for st in self.unit_states:
             with self.store.open(st.unit.index) as t:
                 state[st.unit.index] = {
-                    name: (getattr(t, name).clone() if copy else getattr(t, name))
-                    for name in ("master", "exp_avg", "exp_avg_sq")
+                    name: (t.get(name).clone() if copy else t.get(name))
+                    for name in ("master", *self.state_names)
                 }
                 state[st.unit.index]["slot_steps"] = list(st.slot_steps)
         return {"state": state, "param_groups": groups}
@@ -494,63 +505,8 @@ def moments_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-def resolve_param_groups(
-    model: nn.Module, oc: Any, optimizer: Any
-) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
-    """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
-    (hyperparameters per group, id(param) -> group index, decoupled weight decay).
-    See `offload.initialize` for the accepted forms."""
-    base = {
-        "lr": oc.lr,
-        "betas": tuple(oc.betas),
-        "eps": oc.eps,
-        "weight_decay": oc.weight_decay,
-    }
-    decoupled = oc.type == "AdamW"
-    all_params = [p for p in model.parameters()]
-    if optimizer is None:
-        return [base], {id(p): 0 for p in all_params}, decoupled
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if isinstance(optimizer, torch.optim.AdamW):
-            decoupled = True
-        elif isinstance(optimizer, torch.optim.Adam):
-            decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-        else:
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__}: the engine runs Adam/AdamW on the CPU; "
-                "pass a torch.optim.Adam/AdamW, param groups, or a dict of hyperparameters"
-            )
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise NotImplementedError("amsgrad / maximize are not supported by the CPU Adam")
-        specs = optimizer.param_groups
-    elif isinstance(optimizer, Mapping):
-        unknown = set(optimizer) - set(base)
-        if unknown:
-            raise ValueError(
-                f"optimizer hyperparameters {sorted(unknown)} are not known; allowed: {sorted(base)}"
-            )
-        g = {**base, **optimizer}
-        g["betas"] = tuple(g["betas"])
-        return [g], {id(p): 0 for p in all_params}, decoupled
-    else:
-        specs = list(optimizer)
-    known = {id(p) for p in all_params}
-    groups, group_of = [], {}
-    for gi, spec in enumerate(specs):
-        if not isinstance(spec, Mapping) or "params" not in spec:
-            raise TypeError("each optimizer param group must be a dict with a 'params' list")
-        hp = {k: v for k, v in spec.items() if k in base}
-        g = {**base, **hp}
-        g["betas"] = tuple(g["betas"])
-        for p in spec["params"]:
-            if id(p) not in known:
-                raise ValueError(
-                    f"optimizer param group {gi} lists a tensor of shape {tuple(p.shape)} that "
-                    "is not a parameter of the model"
-                )
-            if id(p) in group_of:
-                raise ValueError(f"a parameter appears in more than one group (group {gi})")
-            group_of[id(p)] = gi
-        groups.append(g)
-    return groups, group_of, decoupled
+ShardedAdam = ShardedOptimizer
+"""The name of `ShardedOptimizer` from when it ran Adam only (kept for imports)."""
+
+__all__ = ["ShardedOptimizer", "ShardedAdam", "UnitOptimizerState", "resolve_param_groups",
+           "moments_dtype", "host_state_zeros", "host_state_bytes", "transient_grad_shards"]

@@ -29,6 +29,7 @@ from torch import nn
 
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES, MOMENT_DTYPES
+from offload.optim.kinds import state_names
 from offload.optim.sharded import transient_grad_shards
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
 from offload.plan.tier_bytes import (
@@ -246,7 +247,7 @@ def plan(
         count = parse_count(model_or_params)
         if count < 1:
             raise ValueError(f"a model needs at least one parameter, got {model_or_params!r}")
-        spec = spec_from_count(count, ws, units)
+        spec = spec_from_count(count, ws, units, len(state_names(cfg.optimizer.type)))
     on_gpu = machine.gpus_per_node > 0
 
     estimates = []

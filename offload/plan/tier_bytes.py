@@ -20,6 +20,7 @@ from torch import nn
 
 from offload.config import Config
 from offload.dtypes import DTYPES
+from offload.optim.kinds import state_names
 from offload.optim.sharded import host_state_bytes, resolve_param_groups
 from offload.sizes import align_up
 from offload.units.partition import plan_units
@@ -51,13 +52,16 @@ class ModelSpec:
     `precision.buffer_dtype` gives them (their own by default)."""
     params: int
     trainable_params: int
+    state_tensors: int = 2
+    """The optimizer's state tensors per optimized element beside the master (Adam 2,
+    Lion and Adagrad 1: offload/optim/kinds.py `STATE_NAMES`)."""
 
 
 def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size: int,
                     p_bytes: int) -> ModelSpec:
     # Exactly Engine._build_units' grouping and layout (see [Note: the figures are the engine's]).
     plans = plan_units(model, config.unit_modules)
-    _groups, group_of, _ = resolve_param_groups(model, config.optimizer, optimizer)
+    _groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     units = []
     params = trainable = 0
     for plan_ in plans:
@@ -78,7 +82,7 @@ def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size
         else:
             size = p_bytes if rule == "compute" else DTYPES[rule].itemsize
         buffer_bytes += b.numel() * size
-    return ModelSpec(tuple(units), buffer_bytes, params, trainable)
+    return ModelSpec(tuple(units), buffer_bytes, params, trainable, len(state_names(kind)))
 
 
 def default_units(params: int) -> int:
@@ -87,7 +91,8 @@ def default_units(params: int) -> int:
     return max(1, round(params / 2e8))
 
 
-def spec_from_count(params: int, world_size: int, units: Optional[int]) -> ModelSpec:
+def spec_from_count(params: int, world_size: int, units: Optional[int],
+                    state_tensors: int = 2) -> ModelSpec:
     """A bare count laid out as `units` equal trainable units under an empty root (the
     engine always has a root), through the engine's own layout function."""
     n = units or default_units(params)
@@ -96,7 +101,7 @@ def spec_from_count(params: int, world_size: int, units: Optional[int]) -> Model
     for i in range(n):
         numel = per + (1 if i < extra else 0)
         specs.append(UnitSpec(layout_unit([(f"unit{i}", (numel,), 0)], world_size), True))
-    return ModelSpec(tuple(specs), 0, params, params)
+    return ModelSpec(tuple(specs), 0, params, params, state_tensors)
 
 
 # --------------------------------------------------------------------------------------
@@ -141,7 +146,8 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
     offload/units/layout.py):
     - fp32 master and fp32 gradient shard: the shard up to its frozen parameters
       (`UnitLayout.shard_master_numel`: the whole shard when none is frozen, nothing when
-      none is optimized); exp_avg and exp_avg_sq: the shard's optimized prefix, in the
+      none is optimized); the optimizer's state tensors (`spec.state_tensors`: Adam's
+      exp_avg and exp_avg_sq, Lion's exp_avg, Adagrad's sum): the shard's optimized prefix, in the
       moments dtype. A frozen parameter costs its parameter shard only. Host memory, or (optimizer on NVMe) master and moments in the
       swap file, each rounded up to `offload.sizes.ALIGNMENT` (swap-file offsets and sizes
       are O_DIRECT-aligned), while the gradient shard stays in host memory (it is the
@@ -163,6 +169,7 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
     shard_in_host = param_tier == "cpu" or (param_tier == "device" and not on_gpu)
     alias_master = p_bytes == 4 and shard_in_host and optimizer_tier == "cpu"
     staging = 0
+    k = spec.state_tensors
     for u in spec.units:
         layout = u.layout
         shard = layout.shard_numel
@@ -171,11 +178,11 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
         grad_b = master_b if not transient_grads else 0
         host += grad_b
         if alias_master:  # one buffer: the fp32 shard, the master its prefix
-            host += host_state_bytes(shard * 4) + 2 * host_state_bytes(moments_b)
+            host += host_state_bytes(shard * 4) + k * host_state_bytes(moments_b)
         elif optimizer_tier == "cpu":
-            host += host_state_bytes(master_b) + 2 * host_state_bytes(moments_b)
+            host += host_state_bytes(master_b) + k * host_state_bytes(moments_b)
         else:
-            nvme += align_up(master_b) + 2 * align_up(moments_b)
+            nvme += align_up(master_b) + k * align_up(moments_b)
         if not alias_master:
             shard_b = shard * p_bytes
             if param_tier == "nvme":
@@ -220,14 +227,14 @@ def disk_bytes_per_step(spec: ModelSpec, param_tier: str, optimizer_tier: str, *
                         world_size: int) -> int:
     """Per rank: bytes read + written on NVMe per optimizer step, [Note: placement order]'s
     figures (`offload.plan.planner.PLACEMENTS`): optimizer states on NVMe move 12 B read +
-    12 B written per trainable parameter; parameter shards on NVMe 2 B per gather (forward
+    12 B written per trainable parameter (Adam; 8 B with one state tensor: Lion, Adagrad); parameter shards on NVMe 2 B per gather (forward
     and backward) + 2 B written per trainable parameter, 2 B per gather for a frozen one,
     at a 2-byte compute dtype (scaled for others)."""
     if "nvme" not in (param_tier, optimizer_tier):
         return 0
     scale = p_bytes / 2
     params_bytes = 6 * scale if param_tier == "nvme" else 0
-    opt_bytes = 24 if optimizer_tier == "nvme" else 0
+    opt_bytes = 2 * (4 + 4 * spec.state_tensors) if optimizer_tier == "nvme" else 0
     disk = int(spec.trainable_params / world_size * (opt_bytes + params_bytes))
     if param_tier == "nvme" and spec.trainable_params < spec.params:
         disk += int((spec.params - spec.trainable_params) / world_size * 4 * scale)

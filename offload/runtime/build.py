@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
+from offload.optim.kinds import state_names
 from offload.optim.sharded import (
     UnitOptimizerState,
     host_state_zeros,
@@ -68,6 +69,8 @@ class Built:
     param_groups: list[dict[str, Any]]
     """torch-style groups over the units' parameters, for the optimizer."""
     decoupled_weight_decay: bool
+    kind: str
+    """The optimizer type (offload/optim/kinds.py `KINDS`)."""
     transient_grads: bool
     """Gradient shards hold memory only between their reduce-scatter and their update."""
     state_dict_index: list[StateDictEntry]
@@ -88,11 +91,11 @@ def build(
     # Before anything is allocated: a parameter the model wants in fp32 is refused here.
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules)
-    groups, group_of, decoupled = resolve_param_groups(model, config.optimizer, optimizer)
+    groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     planned = _plan_layouts(plans, group_of, pg.world_size)
-    tiers = _Tiers(owner, config, pg, device, dtype, planned)
+    tiers = _Tiers(owner, config, pg, device, dtype, planned, state_names(kind))
     try:
-        units, states = _build_units(model, config, pg, device, dtype, planned, tiers)
+        units, states = _build_units(model, config, pg, device, dtype, planned, tiers, kind)
     except BaseException:
         if tiers.close_nvme is not None:
             tiers.close_nvme()  # no swap files left behind by a failed initialize
@@ -105,7 +108,7 @@ def build(
     return Built(
         units=units, states=states, param_tier=tiers.param_tier,
         optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
-        param_groups=opt_groups, decoupled_weight_decay=decoupled,
+        param_groups=opt_groups, decoupled_weight_decay=kind == "AdamW", kind=kind,
         transient_grads=transient_grad_shards(config, device.type == "cuda"),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
     )
@@ -129,7 +132,7 @@ class _Tiers:
     share one context; every rank agrees on success before any goes on."""
 
     def __init__(self, owner: object, config: Any, pg: ProcessGroupInfo, device: torch.device,
-                 dtype: torch.dtype, planned: Planned) -> None:
+                 dtype: torch.dtype, planned: Planned, names: tuple[str, ...]) -> None:
         from offload.storage.nvme import NVMeContext
 
         off = config.offload
@@ -141,7 +144,7 @@ class _Tiers:
         error: Optional[BaseException] = None
         try:
             if uses_nvme:
-                _check_nvme(config, pg, dtype, mdtype, planned)
+                _check_nvme(config, pg, dtype, mdtype, planned, names)
                 self.nvme = NVMeContext(
                     off.nvme_path, pg.rank,
                     budget_bytes=int(off.pinned_budget_bytes),
@@ -161,7 +164,7 @@ class _Tiers:
             if off.optimizer_tier == "nvme":
                 sizes = [(lay.shard_master_numel(pg.rank), lay.shard_optimized_numel(pg.rank))
                          for _, lay, _ in planned]
-                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype)
+                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype, names)
         except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             error = exc
         if error is not None and self.close_nvme is not None:
@@ -173,7 +176,7 @@ class _Tiers:
 
 
 def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
-                planned: Planned) -> None:
+                planned: Planned, names: tuple[str, ...]) -> None:
     """What NVMe tiers need of the machine, checked before anything is created."""
     from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
 
@@ -188,7 +191,7 @@ def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: t
         if off.optimizer_tier == "nvme":
             state = state_layout(
                 layout.shard_master_numel(pg.rank), layout.shard_optimized_numel(pg.rank),
-                mdtype.itemsize,
+                mdtype.itemsize, names,
             ).nbytes
             optim_sizes.append(state)
         # One unit's pinned working set (docs/nvme.md): during the step its state and its
@@ -235,7 +238,7 @@ def _agree_on(error: Optional[BaseException], pg: ProcessGroupInfo, device: torc
 
 
 def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: torch.device,
-                 dtype: torch.dtype, planned: Planned, tiers: _Tiers
+                 dtype: torch.dtype, planned: Planned, tiers: _Tiers, kind: str
                  ) -> tuple[list[FlatUnit], list[UnitOptimizerState]]:
     units: list[FlatUnit] = []
     states: list[UnitOptimizerState] = []
@@ -276,8 +279,7 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
             grad = torch.zeros(grad_numel, dtype=torch.float32, pin_memory=device.type == "cuda")
         states.append(UnitOptimizerState(
             unit=unit, master=master, grad=grad,
-            exp_avg=None if on_nvme else host_state_zeros(n_opt, mdtype),
-            exp_avg_sq=None if on_nvme else host_state_zeros(n_opt, mdtype),
+            moments=None if on_nvme else {n: host_state_zeros(n_opt, mdtype) for n in state_names(kind)},
             slot_steps=[0] * len(layout.slots), slot_has_grad=[False] * len(layout.slots),
             n_optimized=n_opt,
         ))

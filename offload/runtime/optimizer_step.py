@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from offload.optim.kinds import HYPERPARAMS
 from offload.runtime.build import release_storage
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.timeline import Timeline, now
@@ -330,8 +331,9 @@ class StepPolicy:
     # -- helpers ---------------------------------------------------------------------------
 
     def _hyperparameters(self) -> list[tuple]:
+        keys = HYPERPARAMS[self.optimizer.kind]  # the optimizer type's (offload/optim/kinds.py)
         return [
-            (float(g["lr"]), tuple(g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+            tuple(tuple(g[k]) if k == "betas" else float(g[k]) for k in keys)
             for g in self.optimizer.param_groups
         ]
 

@@ -1,8 +1,9 @@
 """Where the optimizer state of each unit lives: host memory or a swap file on NVMe.
 
 A unit's state on this rank is its fp32 master (the shard up to its frozen parameters:
-[Note: frozen parameters cost their shard only] in offload/units/layout.py), and the Adam
-moments `exp_avg` and `exp_avg_sq` over the shard's optimized prefix; a unit with no
+[Note: frozen parameters cost their shard only] in offload/units/layout.py), and the
+optimizer's named state tensors over the shard's optimized prefix (Adam's `exp_avg` and
+`exp_avg_sq`, Lion's `exp_avg`, Adagrad's `sum`: offload/optim/kinds.py); a unit with no
 optimized parameter has none (empty tensors, no I/O). Two stores keep it:
 
 - `HostOptimizerStates`: tensors in CPU memory (the `UnitOptimizerState` fields).
@@ -58,37 +59,17 @@ state instead of a read and a write.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from offload.sizes import ALIGNMENT, align_up
+from offload.storage.state_layout import ADAM_STATE, StateLayout, UnitTensors, state_layout
 from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
 
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Byte layout of one unit's optimizer state in its slot (and its staging buffer):
-    master (fp32) at 0, exp_avg and exp_avg_sq each at a page-aligned offset after it."""
-
-    master_numel: int
-    moment_numel: int
-    moment_itemsize: int
-    exp_avg_offset: int
-    exp_avg_sq_offset: int
-    nbytes: int
-    """Total, a multiple of 4096 (O_DIRECT)."""
-
-
-def state_layout(master_numel: int, moment_numel: int, moment_itemsize: int) -> StateLayout:
-    """Pure arithmetic: each tensor page-aligned, so each is a SIMD-aligned view of one buffer
-    and the whole moves with one aligned request."""
-    if master_numel < 0 or moment_numel < 0 or moment_itemsize <= 0:
-        raise ValueError(f"bad state sizes: {master_numel}, {moment_numel}, {moment_itemsize}")
-    m = align_up(master_numel * 4)
-    a = align_up(moment_numel * moment_itemsize)
-    return StateLayout(master_numel, moment_numel, moment_itemsize, m, m + a, m + 2 * a)
+__all__ = ["ADAM_STATE", "HostOptimizerStates", "NVMeOptimizerStates", "StateLayout", "StateSource",
+           "UnitTensors", "state_layout"]
 
 
 @dataclass(frozen=True)
@@ -98,34 +79,6 @@ class StateSource:
 
     path: str
     parts: tuple[tuple[int, int, int], ...]
-
-
-@dataclass
-class UnitTensors:
-    """One unit's state tensors as a caller sees them (valid until the context/step moves
-    on), and `scratch`: page-aligned bytes for the caller (the new low-precision shard)."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    scratch: Optional[torch.Tensor] = None
-    holds: list[Any] = field(default_factory=list)
-    """Handles of writes that read from this unit's buffers: they complete before the
-    buffers are reused (`hold`)."""
-    _buffers: tuple[torch.Tensor, ...] = ()
-
-    def hold(self, handle: Any) -> None:
-        if handle is not None:
-            self.holds.append(handle)
-
-    def owns(self, t: torch.Tensor) -> bool:
-        """Whether `t` lies in this unit's pooled buffers (then a write from it must be held,
-        not waited for, and the buffer outlives it)."""
-        p = t.data_ptr()
-        for b in self._buffers:
-            if b.data_ptr() <= p < b.data_ptr() + b.numel() * b.element_size():
-                return True
-        return False
 
 
 class HostOptimizerStates:
@@ -150,7 +103,7 @@ class HostOptimizerStates:
     @contextlib.contextmanager
     def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
         st = self._states[index]
-        yield UnitTensors(st.master, st.exp_avg, st.exp_avg_sq)
+        yield UnitTensors(st.master, st.moments)
 
     def stream(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
@@ -173,7 +126,7 @@ class HostOptimizerStates:
             if self._staging is None:
                 raise RuntimeError("scratch bytes asked of a host store without a staging pool")
             buf = self._staging.acquire(scratch_bytes)
-        return UnitTensors(st.master, st.exp_avg, st.exp_avg_sq, scratch=buf,
+        return UnitTensors(st.master, st.moments, scratch=buf,
                            _buffers=() if buf is None else (buf,))
 
     def checkin(self, index: int, t: UnitTensors) -> None:
@@ -210,7 +163,7 @@ class HostOptimizerStates:
     def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each state tensor with its accounting bucket: all 'host'."""
         for st in self._states:
-            for t in (st.master, st.exp_avg, st.exp_avg_sq):
+            for t in (st.master, *(st.moments or {}).values()):
                 if t is not None:
                     yield "host", t
 
@@ -257,11 +210,14 @@ class NVMeOptimizerStates:
         context: NVMeContext,
         sizes: Sequence[tuple[int, int]],
         moment_dtype: torch.dtype,
+        names: tuple[str, ...] = ADAM_STATE,
     ) -> None:
         self._ctx = context
         self.moment_dtype = moment_dtype
+        self.names = tuple(names)
+        """The optimizer's state tensors per unit (offload/optim/kinds.py `STATE_NAMES`)."""
         itemsize = moment_dtype.itemsize
-        self.layouts = [state_layout(m, n, itemsize) for m, n in sizes]
+        self.layouts = [state_layout(m, n, itemsize, self.names) for m, n in sizes]
         self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
         self._prefetched: dict[int, tuple[Lease, Pending]] = {}
@@ -285,7 +241,8 @@ class NVMeOptimizerStates:
     # -- one unit --------------------------------------------------------------------------
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
-        """Write unit `index`'s first state: `master`, zero moments (the write runs on)."""
+        """Write unit `index`'s first state: `master`, zero state tensors (the write runs on;
+        one that starts elsewhere is filled by the optimizer afterwards)."""
         lay = self.layouts[index]
         if not lay.nbytes:
             return  # no optimized parameter: no state
@@ -293,8 +250,8 @@ class NVMeOptimizerStates:
         try:
             t = self._views(index, buf)
             t.master.copy_(master)
-            t.exp_avg.zero_()
-            t.exp_avg_sq.zero_()
+            for m in t.moments.values():
+                m.zero_()
         except BaseException:
             self._ctx.staging.release(buf)
             raise
@@ -383,7 +340,7 @@ class NVMeOptimizerStates:
 
     def adopt(self, index: int, t: UnitTensors, path: str, file_offsets: dict[str, int]) -> None:
         """Finish a `checkout_overwrite` without writing: `t` holds the bytes that lie in
-        `path` at `file_offsets` ("master", "exp_avg", "exp_avg_sq": where each tensor
+        `path` at `file_offsets` ("master" and each state name: where each tensor
         starts, padded to 4 KiB as in the slot; the caller read and verified them there), so
         the unit is read from that file until its next write ([Note: adopted state]). The
         buffer goes back once `t.holds` are done."""
@@ -393,13 +350,9 @@ class NVMeOptimizerStates:
             return
         n_master = align_up(lay.master_numel * 4)
         n_moment = align_up(lay.moment_numel * lay.moment_itemsize)
-        parts = tuple(
-            (int(file_offsets[name]), at, n)
-            for name, at, n in (("master", 0, n_master),
-                                ("exp_avg", lay.exp_avg_offset, n_moment),
-                                ("exp_avg_sq", lay.exp_avg_sq_offset, n_moment))
-            if n
-        )
+        places = [("master", 0, n_master)]
+        places += [(name, at, n_moment) for name, at in zip(lay.names, lay.offsets)]
+        parts = tuple((int(file_offsets[name]), at, n) for name, at, n in places if n)
         if any(fo % ALIGNMENT for fo, _, _ in parts):
             self.abandon(index, t)
             raise ValueError(f"unit {index}: offsets {file_offsets} in {path!r} are not 4 KiB-aligned")
@@ -525,12 +478,11 @@ class NVMeOptimizerStates:
         lay = self.layouts[index]
         md = self.moment_dtype
         master = buf[: lay.master_numel * 4].view(torch.float32)
-        a0, s0 = lay.exp_avg_offset, lay.exp_avg_sq_offset
         n = lay.moment_numel * lay.moment_itemsize
+        moments = {name: buf[at : at + n].view(md) for name, at in zip(lay.names, lay.offsets)}
         scratch = buf[lay.nbytes : lay.nbytes + scratch_bytes] if scratch_bytes else None
         return UnitTensors(
-            master, buf[a0 : a0 + n].view(md), buf[s0 : s0 + n].view(md),
-            scratch=scratch, _buffers=(buf,) if buf.numel() else (),
+            master, moments, scratch=scratch, _buffers=(buf,) if buf.numel() else (),
         )
 
     def _wait_write(self, index: int) -> None:
