@@ -18,6 +18,10 @@ Contenders (same GPT model and batches, one training step per sample, interleave
              torch.optim.AdamW over the sharded params
 - deepspeed: deepspeed.initialize, ZeRO stage 3, offload_param + offload_optimizer to cpu
 - deepspeed_nvme: the same with offload_param and offload_optimizer on nvme (ZeRO-Infinity)
+- engine_stage2: offload at ZeRO stage 2 (zero_stage=2: parameters whole and resident on the
+             compute device, optimizer state on the CPU: ZeRO-Offload); at world size 1 on
+             the CPU it is the `engine` row (every unit is aliased to its shard)
+- deepspeed_stage2: DeepSpeed's ZeRO-Offload (stage 2, offload_optimizer cpu)
 A contender that cannot run here is dropped with its reason printed.
 
 For the NVMe contenders the table adds the bytes moved per step (engine.io_stats()), the
@@ -178,7 +182,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         return fn, mem
 
     def engine_setup(
-        param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True
+        param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True,
+        stage: int = 3,
     ):
         import offload
         from offload.config import (
@@ -204,6 +209,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
                 if prefetch else PrefetchConfig(prefetch_bytes=0, keep_bytes=0, optimizer_in_backward=False)
             ),
             timeline=TimelineConfig(enabled=bool(args.timeline)),
+            zero_stage=stage,
         )
         engine = offload.initialize(make_model(), cfg)
         engine.bench_name = name
@@ -247,7 +253,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         local = [getattr(t, "_local_tensor", t) for t in list(m.parameters()) + states]
         return fn, {"device": 0, "host": _bytes(local)}
 
-    def deepspeed_setup(nvme: bool = False):
+    def deepspeed_setup(nvme: bool = False, stage: int = 3):
         import logging
 
         import deepspeed
@@ -271,7 +277,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
                 "stage": 3,
                 "offload_param": offload_param,
                 "offload_optimizer": offload_optimizer,
-            },
+            } if stage == 3 else {"stage": stage, "offload_optimizer": offload_optimizer},
             "aio": {
                 "block_size": args.block_size, "queue_depth": args.queue_depth,
                 "intra_op_parallelism": args.io_threads, "single_submit": False,
@@ -290,6 +296,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     engines: list = []
     add("torch", torch_setup)
     add("engine", engine_setup)
+    add("engine_stage2", lambda: engine_setup("device", "cpu", "engine_stage2", stage=2))
     if not args.no_nvme:
         add("engine_nvme_opt", lambda: engine_setup("cpu", "nvme", "engine_nvme_opt"))
         add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
@@ -306,10 +313,12 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         dropped["fsdp2"] = "skipped (--no-fsdp2)"
     if not args.no_deepspeed:
         add("deepspeed", deepspeed_setup)
+        add("deepspeed_stage2", lambda: deepspeed_setup(stage=2))
         if not args.no_nvme:
             add("deepspeed_nvme", lambda: deepspeed_setup(nvme=True))
     else:
         dropped.setdefault("deepspeed", "skipped (--no-deepspeed)")
+        dropped.setdefault("deepspeed_stage2", "skipped (--no-deepspeed)")
         dropped.setdefault("deepspeed_nvme", "skipped (--no-deepspeed)")
     for rec in io.values():
         if rec is not None:
