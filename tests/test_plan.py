@@ -9,6 +9,8 @@ given a copy of the model built on the meta device, so it never reads a value.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import subprocess
@@ -141,8 +143,8 @@ def test_plan_honours_param_groups_like_initialize():
     engine.close()
 
 
-def _ws2_memory(rank: int, world_size: int, dtype: str, param_tier: str):
-    cfg = config(dtype, "fp32", param_tier)
+def _ws2_memory(rank: int, world_size: int, dtype: str, param_tier: str, stage: int = 3):
+    cfg = dataclasses.replace(config(dtype, "fp32", param_tier), zero_stage=stage)
     torch.manual_seed(0)
     engine = offload.initialize(TinyGPT(n_layer=3), cfg)
     resident = engine.memory_bytes()["device"]
@@ -172,6 +174,22 @@ def test_plan_equals_engine_memory_bytes_world_size_2(dtype, param_tier):
     check(est.per_node, {k: m0[k] + m1[k] for k in m0})
     # The working-set estimate covers what the engine gathered during forward.
     assert 0 < max(gathered0, gathered1) <= est.working_device_bytes
+
+
+@pytest.mark.parametrize("dtype,param_tier", [("bf16", "cpu"), ("fp32", "device")])
+def test_plan_equals_engine_memory_bytes_at_stage_2(dtype, param_tier):
+    """ZeRO stage 2: the planner adds every unit's full buffer, resident on the compute
+    device, and that is what the engine holds after a step (world size 2, where the stage
+    matters)."""
+    (m0, _), (m1, _) = run_distributed(_ws2_memory, 2, dtype, param_tier, 2, init_group=False)
+    with torch.device("meta"):
+        meta = TinyGPT(n_layer=3)
+    cfg = dataclasses.replace(config(dtype, "fp32", param_tier), zero_stage=2)
+    est = plan(meta, machine=cpu_machine(world_size=2), config=cfg).estimate(param_tier, "cpu")
+    check(est.per_rank, {k: max(m0[k], m1[k]) for k in m0})
+    stage3 = plan(meta, machine=cpu_machine(world_size=2), config=config(dtype, "fp32", param_tier)
+                  ).estimate(param_tier, "cpu")
+    assert est.per_rank.device > stage3.per_rank.device  # the resident model: negative control
 
 
 @pytest.mark.parametrize("param_tier,optimizer_tier", [("nvme", "cpu"), ("device", "nvme"),

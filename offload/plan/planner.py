@@ -256,7 +256,7 @@ def plan(
         transient = transient_grad_shards(cfg, on_gpu)
         rank_list = [rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, m_bytes=m_bytes, on_gpu=on_gpu,
                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes,
-                                transient_grads=transient)
+                                transient_grads=transient, stage=cfg.zero_stage, world_size=ws)
                      for r in range(ws)]
         for rb in rank_list:
             per_rank = per_rank.max(rb)

@@ -138,7 +138,7 @@ class TierBytes:
 
 def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str, *,
                p_bytes: int, m_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
-               transient_grads: bool = False) -> TierBytes:
+               transient_grads: bool = False, stage: int = 3, world_size: int = 1) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
     The engine's rules, unit by unit (offload/runtime/build.py `_build_units`,
@@ -157,8 +157,10 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
       backward, counted in the working set).
     - the parameter shard (compute dtype) in its tier; with fp32 compute and the shard in
       host memory (a CPU run, or param_tier cpu) the master is its prefix: one buffer.
-    - gathered full buffers are freed between steps (at world size 1 with the shard on the
-      compute device the full buffer is the shard: nothing more).
+    - gathered full buffers are freed between steps at stage 3; at stages 1 and 2
+      (`stage`) every unit's stays resident on the compute device, in the compute dtype
+      (at world size 1 with the shard on the compute device the full buffer is the shard:
+      nothing more, at any stage).
     - buffers: on the compute device.
     - the optimizer's low-precision staging buffer (one largest shard, host) exists when
       the parameter shard is GPU memory and the optimizer state is in host memory; with an
@@ -196,6 +198,9 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
         if (p_bytes != 4 and param_tier == "device" and on_gpu and optimizer_tier == "cpu"
                 and layout.has_optimized):
             staging = max(staging, layout.shard_master_numel(rank) * p_bytes)
+    shard_on_compute = param_tier == "device" or (param_tier == "cpu" and not on_gpu)
+    if stage < 3 and not (world_size == 1 and shard_on_compute):
+        dev += sum(u.layout.padded_numel * p_bytes for u in spec.units)  # resident full buffers
     dev += spec.buffer_bytes
     host += staging
     pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0
