@@ -22,6 +22,9 @@ Contenders (same GPT model and batches, one training step per sample, interleave
              compute device, optimizer state on the CPU: ZeRO-Offload); at world size 1 on
              the CPU it is the `engine` row (every unit is aliased to its shard)
 - deepspeed_stage2: DeepSpeed's ZeRO-Offload (stage 2, offload_optimizer cpu)
+- torch_lora / engine_lora (with peft installed; --no-lora skips them): the same model with
+             PEFT LoRA (r=8 on qkv, proj, fc, out), a plain peft loop against the engine; the
+             engine's memory is what frozen parameters cost (their shard only)
 A contender that cannot run here is dropped with its reason printed.
 
 For the NVMe contenders the table adds the bytes moved per step (engine.io_stats()), the
@@ -181,9 +184,30 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]), "host": 0}
         return fn, mem
 
+    def lora(m):
+        import peft
+
+        return peft.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules=["qkv", "proj", "fc", "out"]))
+
+    def torch_lora_setup():
+        m = lora(make_model()).to(device)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, foreach=True)
+        xd, yd = x.to(device), y.to(device)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        fn = timed_step(lambda: m(xd, yd), lambda l: l.backward(), step)
+        fn()
+        mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]),
+               "host": 0}
+        return fn, mem
+
     def engine_setup(
         param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True,
-        stage: int = 3,
+        stage: int = 3, wrap=None,
     ):
         import offload
         from offload.config import (
@@ -211,7 +235,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             timeline=TimelineConfig(enabled=bool(args.timeline)),
             zero_stage=stage,
         )
-        engine = offload.initialize(make_model(), cfg)
+        engine = offload.initialize(make_model() if wrap is None else wrap(make_model()), cfg)
         engine.bench_name = name
         engines.append(engine)
         step_fn = timed_step(lambda: engine(x, y), engine.backward, engine.step)
@@ -307,6 +331,11 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             dropped[name] = "skipped (--no-nvme)"
     if not args.compare_prefetch:
         dropped["engine_nvme_all_nopf"] = "skipped (no --compare-prefetch)"
+    if not args.no_lora:
+        add("torch_lora", torch_lora_setup)
+        add("engine_lora", lambda: engine_setup(name="engine_lora", wrap=lora))
+    else:
+        dropped["torch_lora"] = dropped["engine_lora"] = "skipped (--no-lora)"
     if not args.no_fsdp2:
         add("fsdp2", fsdp2_setup)
     else:
@@ -342,6 +371,7 @@ def main() -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--no-fsdp2", action="store_true")
+    p.add_argument("--no-lora", action="store_true", help="skip the PEFT LoRA rows")
     p.add_argument("--no-nvme", action="store_true", help="skip the NVMe contenders")
     p.add_argument("--nvme-path", "--dir", dest="nvme_path", default="/tmp/offload-bench-nvme",
                    help="directory for swap files, on the disk to measure (not a tmpfs)")
