@@ -282,13 +282,18 @@ class Engine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """`loss.backward()`, with the fp16 loss scale applied. Gradients accumulate into the
         shards until `step()` reaches an accumulation boundary; the engine divides them by
-        gradient_accumulation_steps there (DeepSpeed's default), so pass the plain loss."""
+        gradient_accumulation_steps there (DeepSpeed's default), so pass the plain loss.
+        `scale_wrt_gas=False` (DeepSpeed's): this loss is not to be divided by the
+        accumulation steps (a sum over micro-batches, or a Trainer's loss already normalised
+        for its window): the engine multiplies it back before its step divides."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self._check_ready("engine.backward")
+        if not scale_wrt_gas and self.policy.gradient_accumulation_steps != 1:
+            loss = loss * self.policy.gradient_accumulation_steps
         bad = self.policy.nonfinite_loss(loss)  # reads the loss (a device sync) unless off
         self.reporter.observe_loss(loss)  # a float only for a step that will be reported
         if bad is not None:

@@ -268,13 +268,11 @@ class DeepSpeedEngine:
                  **kwargs: Any) -> torch.Tensor:
         """DeepSpeed divides the loss by the accumulation steps here (scale_wrt_gas); the
         offload engine divides the gradients at the step instead, which is the same update.
-        scale_wrt_gas=False (sum, not mean, over micro-batches) is honoured by scaling back."""
+        scale_wrt_gas=False (sum, not mean, over micro-batches) is the engine's own option."""
         if kwargs:
             raise NotImplementedError(f"engine.backward({', '.join(kwargs)}=...) is not supported "
                                       "by offload; drop the argument")
-        if not scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            loss = loss * self.gradient_accumulation_steps()
-        self.engine.backward(loss, retain_graph=retain_graph)
+        self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: Optional[Mapping[str, Any]] = None) -> None:

@@ -29,8 +29,8 @@ piece is correct (docs/hf.md has the user's side):
   `engine.step()` - so at a window's end the update (with clipping, from `max_grad_norm`)
   runs there, and the Trainer's later `optimizer.step()` has nothing left to do. The Trainer
   has already divided the loss for accumulation (by the window's micro-batches, or by the
-  window's token count); the engine divides the summed gradients by
-  gradient_accumulation_steps, so the loss is multiplied by it on the way in.
+  window's token count), so it goes in with `scale_wrt_gas=False`: the engine does not
+  divide it again (DeepSpeed's option of the same name).
 - The learning-rate schedule: the Trainer builds its scheduler over the engine's optimizer
   and hands it to the engine, which steps it at each applied step (not at a skipped fp16
   overflow) and checkpoints it; the Trainer holds `_EngineSchedule`, whose `step()` is a
@@ -191,8 +191,7 @@ class OffloadTrainerMixin:
         engine = self._engine_or_raise("accelerator.backward")
         boundary = bool(self.accelerator.sync_gradients)
         engine.set_gradient_accumulation_boundary(boundary)
-        gas = engine.gradient_accumulation_steps
-        engine.backward(loss * gas if gas != 1 else loss)
+        engine.backward(loss, scale_wrt_gas=False)  # the Trainer normalised it for its window
         if boundary:  # the rate this window's update uses (the scheduler moves at the step)
             self._step_lr = float(engine.optimizer.param_groups[0]["lr"])
         engine.step()
