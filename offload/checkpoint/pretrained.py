@@ -46,7 +46,6 @@ import uuid
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from offload.checkpoint import files, full_weights, manifest
 from offload.checkpoint.consolidate import (
@@ -55,6 +54,7 @@ from offload.checkpoint.consolidate import (
 )
 from offload.dtypes import DTYPES, name_of
 from offload.runtime.view import Location, ShardedState
+from offload.units import collectives as _dist
 
 __all__ = ["save_pretrained", "resolve_dtype", "kept_keys"]
 
@@ -191,9 +191,7 @@ def save_pretrained(
             writer.abort()
     failure = None if error is None else f"{type(error).__name__}: {error}"
     if sharded.world_size > 1:
-        box = [failure]
-        dist.broadcast_object_list(box, src=0, group=sharded.pg.group)
-        failure = box[0]
+        failure = _dist.broadcast_object(failure, sharded.pg, sharded.device)
     if error is not None:
         raise error
     if failure is not None:

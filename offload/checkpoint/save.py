@@ -41,12 +41,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointIO
 from offload.runtime.view import Location, ShardedState
+from offload.units import collectives as _dist
 
 
 def save_checkpoint(
@@ -357,30 +357,17 @@ def rng_state() -> dict[str, Any]:
 
 
 def _broadcast(sharded: ShardedState, obj: Any) -> Any:
-    if sharded.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=sharded.pg.group)
-    return box[0]
+    return _dist.broadcast_object(obj, sharded.pg, sharded.device)
 
 
 def _gather(sharded: ShardedState, obj: Any) -> list[Any]:
-    if sharded.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * sharded.world_size
-    dist.all_gather_object(out, obj, group=sharded.pg.group)
-    return out
+    return _dist.all_gather_object(obj, sharded.pg, sharded.device)
 
 
 def _local_rank(sharded: ShardedState) -> int:
     """This rank's index on its node (torchrun's LOCAL_RANK; without it, one node)."""
     local = os.environ.get("LOCAL_RANK", "")
     return int(local) if local.isdigit() else sharded.rank
-
-
-def barrier(sharded: ShardedState) -> None:
-    if sharded.world_size > 1:
-        dist.barrier(group=sharded.pg.group)
 
 
 def _describe(exc: BaseException, what: str) -> tuple[int, str, Optional[str]]:

@@ -3,7 +3,8 @@
 The engine talks to other ranks through exactly four operations: all-gather of a unit's
 shards, reduce-scatter (average) of a unit's gradients, all-reduce of a few scalars (grad
 norm, overflow flag) and broadcast-free full-state gathers; outside training, one broadcast
-(a rank's edits written back by `engine.gathered(..., modifier_rank=r)`). Everything goes through
+(a rank's edits written back by `engine.gathered(..., modifier_rank=r)`), and the checkpoint
+code's object broadcast and gather (its plan and every rank's outcome). Everything goes through
 `ProcessGroupInfo` so that world size 1 runs with no process group and no collectives at
 all: a single plain `python train.py` needs no launcher.
 """
@@ -13,9 +14,10 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import pickle
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -190,6 +192,46 @@ def broadcast_(t: torch.Tensor, src: int, pg: ProcessGroupInfo) -> torch.Tensor:
         root = src if pg.group is None else dist.get_global_rank(pg.group, src)
         dist.broadcast(_fresh(t), src=root, group=pg.group)  # group_src needs torch >= 2.6
     return t
+
+
+def broadcast_object(obj: Any, pg: ProcessGroupInfo, compute_device: torch.device) -> Any:
+    """Group rank 0's picklable `obj`, on every rank. torch's broadcast_object_list is not
+    used: its tensors are its own, out of `_fresh`'s reach ([Note: collective tensors at
+    exit]): a save right before the script ends aborted it one run in ten."""
+    if pg.world_size == 1:
+        return obj
+    dev = collective_device(pg, compute_device)
+    data = _pickled(obj) if pg.rank == 0 else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    broadcast_(size, 0, pg)
+    buf = data.to(dev) if pg.rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    broadcast_(buf, 0, pg)
+    return obj if pg.rank == 0 else _unpickled(buf)
+
+
+def all_gather_object(obj: Any, pg: ProcessGroupInfo, compute_device: torch.device) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank (as broadcast_object, on
+    tracked tensors)."""
+    if pg.world_size == 1:
+        return [obj]
+    dev = collective_device(pg, compute_device)
+    data = _pickled(obj)
+    sizes = torch.zeros(pg.world_size, dtype=torch.int64, device=dev)
+    all_gather_into(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev), pg)
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    mine[: data.numel()].copy_(data)
+    full = torch.empty(longest * pg.world_size, dtype=torch.uint8, device=dev)
+    all_gather_into(full, mine, pg)
+    return [_unpickled(full[r * longest: r * longest + int(sizes[r])]) for r in range(pg.world_size)]
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(buf: torch.Tensor) -> Any:
+    return pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> torch.device:
