@@ -138,7 +138,7 @@ class Engine:
         built = build(self, model, config, self.pg, self.device, self.dtype, optimizer)
         self._close_nvme = built.close_nvme
         self.units, self.states = built.units, built.states
-        self.param_tier, self.nvme = built.param_tier, built.nvme
+        self.param_tier, self.nvme, self.placement = built.param_tier, built.nvme, built.placement
         self.optimizer_states = built.optimizer_states
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,

@@ -452,3 +452,67 @@ def test_zero_paper_figure_1_per_device_model_state() -> None:
     assert zero_model_state_bytes(7.5e9, 1, 3) == zero_model_state_bytes(7.5e9, 1, 0)  # one device: no saving
     with pytest.raises(ValueError, match="stages are 0"):
         zero_model_state_bytes(1e9, 8, 4)
+
+
+# -- per-unit placement: the host memory an NVMe placement leaves over (issue 21) ----------------
+
+
+def _host_need(e, m) -> int:
+    return e.per_node.host_total + e.per_node.device + e.working_device_bytes * m.local_ranks
+
+
+class _Layers(nn.Module):
+    """Eight 256x256 layers, a unit each: room for some units' state in a leftover."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(256, 256) for _ in range(8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.float().pow(2).mean()
+
+
+def test_an_nvme_placement_keeps_units_in_the_ram_left_over_and_the_engine_agrees(
+        monkeypatch, tmp_path, caplog):
+    """A machine whose host memory holds no in-memory placement but more than an NVMe one
+    needs: the plan keeps units in the RAM left over (its budget is that leftover, the units
+    the engine's own choice from the same sizes); `placement='auto'` builds exactly that
+    split, and trains."""
+    cfg = {"compute_device": "cpu", "precision": {"dtype": "bf16"},
+           "offload": {"nvme_path": str(tmp_path), "pinned_budget_bytes": 1 << 20}}
+    big = make_machine(gpus=0, cpu_mem="1TiB", nvme_free="1TiB", cpu_reserve=0)
+    roomy = plan(_Layers(), machine=big, config=cfg)
+    in_memory = max(_host_need(roomy.estimate(p, o), big) for p, o in (("device", "cpu"), ("cpu", "cpu")))
+    disk = min(_host_need(e, big) for e in roomy.estimates if "nvme" in (e.param_tier, e.optimizer_tier))
+    assert disk < in_memory
+    mem = (disk + in_memory) // 2  # between: in memory does not fit, NVMe does with room left
+    m = make_machine(gpus=0, cpu_mem=mem, nvme_free="1TiB", cpu_reserve=0)
+    p = plan(_Layers(), machine=m, config=cfg)
+    best = p.recommended
+    assert "nvme" in (best.param_tier, best.optimizer_tier)
+    assert 0 < p.ram_budget_bytes <= mem - _host_need(best, m)  # what it keeps fits the leftover
+    assert p.split is not None and p.split != plan_mod.Placement.uniform(
+        len(p.split.param_on_nvme), best.param_tier == "nvme", best.optimizer_tier == "nvme")
+    assert p.split_disk_bytes_per_step < best.disk_bytes_per_step
+    assert p.config_snippet()["offload"]["ram_budget_bytes"] == p.ram_budget_bytes
+    assert "host memory left over" in str(p) and p.to_dict()["split"]["disk_bytes_per_step"] > 0
+
+    # MemAvailable such that the default 10 % reserve leaves `mem`
+    monkeypatch.setattr(machine_mod, "mem_available_bytes", lambda: int(mem / 0.9) + 1)
+    auto = {**cfg, "offload": {**cfg["offload"], "placement": "auto"}}
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        engine = offload.initialize(_Layers(), auto)
+    try:
+        chosen = engine.placement_plan
+        assert engine.config.offload.ram_budget_bytes == chosen.ram_budget_bytes > 0
+        assert engine.placement == chosen.split  # the engine built the plan's split
+        assert "keeps" in caplog.text and "for units in RAM" in caplog.text
+        x = torch.randn(4, 256)
+        engine.backward(engine(x))
+        engine.step()
+        assert engine.global_steps == 1
+    finally:
+        engine.close()

@@ -139,7 +139,7 @@ def load_units(
         for unit in sharded.units:
             layout = unit.layout
             n_opt = layout.shard_optimized_numel(rank)
-            if in_place:
+            if in_place or sharded.optimizer.store.resident_at(unit.index):
                 with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
                     dest = {name: live[name] for name in ("master", *sharded.optimizer.state_names)}
@@ -152,7 +152,7 @@ def load_units(
                 dest = {"master": t.master, **t.moments}
             pending[unit.index] = dest
             old = old_units[unit.name]
-            if not in_place:
+            if unit.index in slots:
                 source = _source_in_place(sharded, saved, old, records, unit, readable)
                 if source is not None:
                     sources[unit.index] = source
@@ -201,7 +201,7 @@ def _source_in_place(
     (the load copies the state into the slot). See [Note: adopted state] in
     offload/storage/optim_state.py."""
     store = sharded.optimizer.store
-    if store.resident or saved["world_size"] != sharded.world_size:
+    if store.resident_at(unit.index) or saved["world_size"] != sharded.world_size:
         return None
     file, by_key = records[sharded.rank]
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):

@@ -246,7 +246,14 @@ class OffloadConfig(Section):
     placement: Literal["manual", "auto"] = "manual"
     """manual = use param_tier and optimizer_tier as given; auto = `initialize` runs the
     memory planner (offload.plan.planner) on this machine and picks the fastest placement that fits
-    (an nvme one only when nvme_path is set), logging its choice."""
+    (an nvme one only when nvme_path is set), and the host memory left over for `ram_budget_bytes`,
+    logging its choice."""
+    ram_budget_bytes: Optional[int] = None
+    """With an NVMe tier: host memory (bytes, per rank) for units' parameter shards and
+    optimizer states kept in RAM instead of on NVMe, chosen to save the most disk traffic per
+    step (offload/storage/placement.py); None or 0 = every unit on its NVMe tier."""
+    ram_fraction: Optional[float] = None
+    """Instead of `ram_budget_bytes`: the share (0 to 1) of the NVMe tiers' bytes to keep in RAM."""
 
     def _check(self) -> None:
         if self.placement == "auto" and (self.param_tier, self.optimizer_tier) != ("cpu", "cpu"):
@@ -260,9 +267,34 @@ class OffloadConfig(Section):
                 raise ConfigError(self._key("nvme_path"),
                                   f"is required when {self._key(tier_key)} is 'nvme'",
                                   "set it to a directory on a local NVMe disk")
+        self._check_ram_budget()
         require(self.pinned_budget_bytes > 0, self._key("pinned_budget_bytes"),
                 self.pinned_budget_bytes, "the budget must be a positive number of bytes",
                 "use at least a few unit shards' worth, e.g. 1073741824 (1 GiB)")
+
+
+    def _check_ram_budget(self) -> None:
+        keys = [k for k in ("ram_budget_bytes", "ram_fraction") if getattr(self, k) is not None]
+        if not keys:
+            return
+        if len(keys) == 2:
+            raise ConfigError(self._key("ram_fraction"), "and ram_budget_bytes are both set",
+                              "give the host memory for units kept in RAM one way: bytes or a fraction")
+        key = keys[0]
+        if self.placement == "auto":
+            raise ConfigError(self._key(key), "is chosen by placement 'auto' (the host memory "
+                              "the planner finds left over)",
+                              f"leave {key} out, or set the tiers with placement 'manual'")
+        if "nvme" not in (self.param_tier, self.optimizer_tier):
+            raise ConfigError(self._key(key), "keeps units of an NVMe tier in RAM, but neither "
+                              "param_tier nor optimizer_tier is 'nvme'",
+                              f"leave {key} out (every unit is in memory already)")
+        if key == "ram_budget_bytes":
+            require(self.ram_budget_bytes >= 0, self._key(key), self.ram_budget_bytes,
+                    "the budget must be a number of bytes >= 0", "e.g. 17179869184 (16 GiB)")
+        else:
+            require(0.0 <= self.ram_fraction <= 1.0, self._key(key), self.ram_fraction,
+                    "the fraction must be between 0 and 1", "e.g. 0.4 keeps 40 % of the NVMe bytes in RAM")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -265,7 +265,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shard, when the parameter tier is not addressable (NVMe: the shard is written from
         there without a copy)."""
         unit = self.unit_states[index].unit
-        if self.param_tier.addressable or unit.dtype == torch.float32:
+        if unit.tier.addressable or unit.dtype == torch.float32:
             return 0
         return align_up(unit.master_numel * unit.full.element_size())
 
@@ -362,7 +362,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """For a loader that fills unit `index`'s whole state itself: the tensors to fill
         (pooled, laid out as the NVMe slot, so reads land there and one write stores them),
         or None when the store keeps the state in host memory (use `unit_state`)."""
-        if self.store.resident:
+        if self.store.resident_at(index):
             return None
         return self.store.checkout_overwrite(self._state_of(index).unit.index)
 

@@ -40,7 +40,8 @@ from offload.plan.tier_bytes import (
     spec_from_model,
     working_bytes,
 )
-from offload.sizes import format_bytes, format_count, parse_count
+from offload.sizes import align_up, format_bytes, format_count, parse_count
+from offload.storage.placement import Placement, choose_placement
 
 __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS"]
 
@@ -119,6 +120,13 @@ class Plan:
     reason: str
     hints: tuple[str, ...] = ()
     """When nothing fits: the cheaper options that would fit, each with its figures."""
+    ram_budget_bytes: int = 0
+    """With an NVMe tier recommended: the host memory per rank left over after it, for
+    units kept in RAM (`offload.ram_budget_bytes`); 0 without."""
+    split: Optional[Placement] = None
+    """Which units that budget keeps in RAM (offload/storage/placement.py)."""
+    split_disk_bytes_per_step: int = 0
+    """The recommended placement's disk bytes per step with `split` applied."""
 
     def estimate(self, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
         for e in self.estimates:
@@ -129,8 +137,11 @@ class Plan:
     def config_snippet(self) -> dict[str, Any]:
         if self.recommended is None:
             return {}
-        return {"offload": {"param_tier": self.recommended.param_tier,
-                            "optimizer_tier": self.recommended.optimizer_tier}}
+        out = {"param_tier": self.recommended.param_tier,
+               "optimizer_tier": self.recommended.optimizer_tier}
+        if self.ram_budget_bytes:
+            out["ram_budget_bytes"] = self.ram_budget_bytes
+        return {"offload": out}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +158,11 @@ class Plan:
             "recommended": None if self.recommended is None else self.recommended.name,
             "reason": self.reason,
             "hints": list(self.hints),
+            "ram_budget_bytes": self.ram_budget_bytes,
+            "split": None if self.split is None else {
+                "param_on_nvme": list(self.split.param_on_nvme),
+                "state_on_nvme": list(self.split.state_on_nvme),
+                "disk_bytes_per_step": self.split_disk_bytes_per_step},
         }
 
     def __str__(self) -> str:
@@ -188,6 +204,12 @@ class Plan:
         else:
             lines.append(f"recommended: params {self.recommended.param_tier}, optimizer "
                          f"{self.recommended.optimizer_tier} -- {self.reason}")
+            if self.split is not None:
+                lines.append(
+                    f"host memory left over: {format_size(self.ram_budget_bytes)} per rank, kept "
+                    f"for units in RAM instead of NVMe ({self.split.describe()}): disk/step "
+                    f"{format_size(self.recommended.disk_bytes_per_step)} -> "
+                    f"{format_size(self.split_disk_bytes_per_step)}")
             lines.append(f"config: {json.dumps(self.config_snippet())}")
         return "\n".join(lines)
 
@@ -291,8 +313,39 @@ def plan(
     if best is None:
         hints = _cheaper_options(model_or_params, machine, cfg, optimizer, dtype, moments, units,
                                  placements, estimates)
+    budget, split, split_disk = 0, None, 0
+    if best is not None and "nvme" in (best.param_tier, best.optimizer_tier):
+        budget, split, split_disk = _ram_split(spec, best, machine, p_bytes, m_bytes)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
-                best, reason, hints)
+                best, reason, hints, budget, split, split_disk)
+
+
+def _ram_split(spec: Any, best: PlacementEstimate, m: Machine, p_bytes: int,
+               m_bytes: int) -> tuple[int, Optional[Placement], int]:
+    """The host memory per rank the recommended NVMe placement leaves over (after the
+    reserves; a CPU run's device memory and working sets are host memory too), which
+    units it keeps in RAM (`choose_placement`, the engine's own choice from the same
+    sizes) and the disk bytes per step that leaves."""
+    host_cap = m.cpu_mem_bytes - m.cpu_reserve_bytes
+    need = best.per_node.host_total
+    if not m.gpus_per_node:
+        need += best.per_node.device + best.working_device_bytes * m.local_ranks
+    budget = max(0, (host_cap - need) // max(1, m.local_ranks))
+    if budget == 0:
+        return 0, None, 0
+    ws, k = m.world_size, spec.state_tensors
+    param_bytes = [align_up(u.layout.shard_numel * p_bytes) for u in spec.units]
+    state_bytes = [max(align_up(u.layout.shard_master_numel(r) * 4)
+                       + k * align_up(u.layout.shard_optimized_numel(r) * m_bytes) for r in range(ws))
+                   for u in spec.units]
+    param_nvme, state_nvme = best.param_tier == "nvme", best.optimizer_tier == "nvme"
+    split = choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
+    every = Placement.uniform(len(spec.units), param_nvme, state_nvme)
+    saved = every.nvme_traffic(param_bytes, state_bytes) - split.nvme_traffic(param_bytes, state_bytes)
+    kept = split.kept_bytes(param_bytes, state_bytes, param_nvme, state_nvme)
+    if kept == 0:
+        return 0, None, 0  # no unit fits in what is left
+    return kept, split, max(0, best.disk_bytes_per_step - saved)
 
 
 def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimizer: Any,
@@ -390,13 +443,16 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: Any,
         raise MemoryError(f"offload.placement='auto': {result.reason}\n{result}")
     best = result.recommended
     offload_cfg = replace(config.offload, param_tier=best.param_tier, optimizer_tier=best.optimizer_tier,
-                          placement="manual")
+                          placement="manual", ram_budget_bytes=result.ram_budget_bytes or None)
     if pg.rank == 0:
         logger.info("offload.placement='auto' chose params=%s, optimizer=%s: %s "
                     "(per rank: device %s, host %s, nvme %s; machine: %s)",
                     best.param_tier, best.optimizer_tier, result.reason,
                     format_size(best.per_rank.device), format_size(best.per_rank.host),
                     format_size(best.per_rank.nvme), machine.describe())
+        if result.split is not None:
+            logger.info("offload.placement='auto' keeps %s of host memory per rank for units in "
+                        "RAM: %s", format_size(result.ram_budget_bytes), result.split.describe())
     return replace(config, offload=offload_cfg), result
 
 

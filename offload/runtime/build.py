@@ -44,6 +44,9 @@ from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
 from offload.storage.nvme_tier import make_param_tier
+from offload.storage.placement import Placement, choose_placement
+from offload.storage.split_states import SplitOptimizerStates
+from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.partition import ParamRecord, UnitPlan, plan_units
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, layout_unit
@@ -75,6 +78,8 @@ class Built:
     """Gradient shards hold memory only between their reduce-scatter and their update."""
     state_dict_index: list[StateDictEntry]
     buffer_dtypes: dict[int, torch.dtype]
+    placement: Placement
+    """Per unit: whether its parameter shard and its optimizer state are on NVMe."""
 
 
 def build(
@@ -111,6 +116,7 @@ def build(
         param_groups=opt_groups, decoupled_weight_decay=kind == "AdamW", kind=kind,
         transient_grads=transient_grad_shards(config, device.type == "cuda"),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
+        placement=tiers.placement,
     )
 
 
@@ -129,7 +135,9 @@ def _plan_layouts(plans: list[UnitPlan], group_of: dict[int, int], world_size: i
 
 class _Tiers:
     """The parameter tier and the optimizer-state store, made together because on NVMe they
-    share one context; every rank agrees on success before any goes on."""
+    share one context; every rank agrees on success before any goes on. With an NVMe tier
+    and host memory to spare (`offload.ram_budget_bytes` / `ram_fraction`), some units stay
+    in RAM (`placement`: offload/storage/placement.py)."""
 
     def __init__(self, owner: object, config: Any, pg: ProcessGroupInfo, device: torch.device,
                  dtype: torch.dtype, planned: Planned, names: tuple[str, ...]) -> None:
@@ -137,14 +145,16 @@ class _Tiers:
 
         off = config.offload
         mdtype = moments_dtype(config.optimizer.moments_dtype)
-        uses_nvme = "nvme" in (off.param_tier, off.optimizer_tier)
+        self.placement = unit_placement(config, pg, dtype, mdtype, planned, names)
+        uses_nvme = self.placement.any_nvme
         self.nvme: Any = None
         self.close_nvme: Optional[Callable[[], Any]] = None
         self.optimizer_states: Any = None
+        """The NVMe store when any unit's state is on NVMe (the builder adds the host part)."""
         error: Optional[BaseException] = None
         try:
             if uses_nvme:
-                _check_nvme(config, pg, dtype, mdtype, planned, names)
+                _check_nvme(config, pg, dtype, mdtype, planned, names, self.placement)
                 self.nvme = NVMeContext(
                     off.nvme_path, pg.rank,
                     budget_bytes=int(off.pinned_budget_bytes),
@@ -156,14 +166,11 @@ class _Tiers:
                 # A bound method of the context, not of the owner: the finalizer must not
                 # keep the engine alive. It runs at garbage collection or interpreter exit.
                 self.close_nvme = weakref.finalize(owner, self.nvme.close)
-            extra: dict[str, Any] = {}
-            if off.param_tier == "nvme":
-                keys = [((i, "param"), lay.shard_numel, dtype) for i, (_, lay, _) in enumerate(planned)]
-                extra = {"nvme": self.nvme, "shards": keys}
-            self.param_tier = make_param_tier(off.param_tier, device, off.pin_memory, **extra)
-            if off.optimizer_tier == "nvme":
+            self.param_tier = self._param_tier(off, device, dtype, planned)
+            if any(self.placement.state_on_nvme):
                 sizes = [(lay.shard_master_numel(pg.rank), lay.shard_optimized_numel(pg.rank))
-                         for _, lay, _ in planned]
+                         if on else (0, 0)
+                         for (_, lay, _), on in zip(planned, self.placement.state_on_nvme)]
                 self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype, names)
         except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             error = exc
@@ -174,21 +181,62 @@ class _Tiers:
         elif error is not None:
             raise error
 
+    def _param_tier(self, off: Any, device: torch.device, dtype: torch.dtype, planned: Planned) -> Any:
+        on = self.placement.param_on_nvme
+        if off.param_tier != "nvme" or not any(on):
+            return make_param_tier("cpu" if off.param_tier == "nvme" else off.param_tier,
+                                   device, off.pin_memory)
+        keys = [((i, "param"), lay.shard_numel, dtype)
+                for i, (_, lay, _) in enumerate(planned) if on[i]]
+        nvme = make_param_tier("nvme", device, off.pin_memory, nvme=self.nvme, shards=keys)
+        if all(on):
+            return nvme
+        host = make_param_tier("cpu", device, off.pin_memory)
+        return SplitTier(host, nvme, [k for k, _, _ in keys])
+
+    def unit_tier(self, index: int) -> Any:
+        """The tier unit `index`'s parameter shard lives in (a part of a split tier)."""
+        tier = self.param_tier
+        return tier.tier_of((index, "param")) if isinstance(tier, SplitTier) else tier
+
+
+def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
+                   planned: Planned, names: tuple[str, ...]) -> Placement:
+    """Which units' parameter shards and optimizer states are on NVMe: all of an NVMe tier's,
+    less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM.
+    Sizes are the largest rank's (shards differ only by padding), so that every rank makes
+    the same choice."""
+    off = config.offload
+    param_nvme, state_nvme = off.param_tier == "nvme", off.optimizer_tier == "nvme"
+    n = len(planned)
+    if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
+        return Placement.uniform(n, param_nvme, state_nvme)
+    param_bytes = [align_up(lay.shard_numel * dtype.itemsize) for _, lay, _ in planned]
+    state_bytes = [max(state_layout(lay.shard_master_numel(r), lay.shard_optimized_numel(r),
+                                    mdtype.itemsize, names).nbytes for r in range(pg.world_size))
+                   for _, lay, _ in planned]
+    budget = off.ram_budget_bytes
+    if budget is None:
+        on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
+        budget = int(off.ram_fraction * on_disk)
+    return choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
+
 
 def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
-                planned: Planned, names: tuple[str, ...]) -> None:
+                planned: Planned, names: tuple[str, ...], placement: Placement) -> None:
     """What NVMe tiers need of the machine, checked before anything is created."""
     from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
 
     off = config.offload
     check_swap_dir(off.nvme_path)
     param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
-    for plan, layout, _ in planned:
-        shard = align_up(layout.shard_numel * dtype.itemsize) if off.param_tier == "nvme" else 0
+    for (plan, layout, _), param_on, state_on in zip(planned, placement.param_on_nvme,
+                                                     placement.state_on_nvme):
+        shard = align_up(layout.shard_numel * dtype.itemsize) if param_on else 0
         state = 0
         if shard:
             param_sizes.append(shard)
-        if off.optimizer_tier == "nvme":
+        if state_on:
             state = state_layout(
                 layout.shard_master_numel(pg.rank), layout.shard_optimized_numel(pg.rank),
                 mdtype.itemsize, names,
@@ -243,17 +291,17 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
     units: list[FlatUnit] = []
     states: list[UnitOptimizerState] = []
     records: list[list[ParamRecord]] = []
-    param_tier = tiers.param_tier
     cpu = torch.device("cpu")
-    on_nvme = tiers.optimizer_states is not None
-    # fp32 compute on the CPU: the parameter shard and the fp32 master are the same bytes,
-    # so the optimizer updates the parameters in place and nothing is copied.
-    alias_master = (
-        dtype == torch.float32 and param_tier.addressable and param_tier.device == cpu and not on_nvme
-    )
     mdtype = moments_dtype(config.optimizer.moments_dtype)
     transient = transient_grad_shards(config, device.type == "cuda")
     for index, (plan, layout, recs) in enumerate(planned):
+        param_tier = tiers.unit_tier(index)
+        on_nvme = tiers.placement.state_on_nvme[index]
+        # fp32 compute on the CPU: the parameter shard and the fp32 master are the same bytes,
+        # so the optimizer updates the parameters in place and nothing is copied.
+        alias_master = (
+            dtype == torch.float32 and param_tier.addressable and param_tier.device == cpu and not on_nvme
+        )
         # [Note: frozen parameters cost their shard only]: master and gradient shard cover
         # the shard up to its frozen parameters, the moments its optimized prefix.
         n_master = layout.shard_master_numel(pg.rank)
@@ -285,10 +333,12 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
         ))
         units.append(unit)
         records.append(recs)
+    host = HostOptimizerStates(states, staging=None if tiers.nvme is None else tiers.nvme.staging)
     if tiers.optimizer_states is None:
-        tiers.optimizer_states = HostOptimizerStates(
-            states, staging=None if tiers.nvme is None else tiers.nvme.staging
-        )
+        tiers.optimizer_states = host
+    elif not all(tiers.placement.state_on_nvme):
+        tiers.optimizer_states = SplitOptimizerStates(host, tiers.optimizer_states,
+                                                      tiers.placement.state_on_nvme)
     _fill_masters(model, units, states, records, tiers.optimizer_states)
     for unit, recs in zip(units, records):
         for rec, p in zip(recs, unit.params):

@@ -57,14 +57,10 @@ class Prefetcher:
         self.pending: dict[int, Any] = {}
         self._write_through: frozenset[int] = frozenset()
         self._stream: Any = None
-        device = units[0].device if units else torch.device("cpu")
-        self.mode = FetchMode.NONE
-        """'read' (into a pooled buffer), 'cuda_copy' (into the unit's slot) or 'none'."""
-        if not tier.addressable:
-            self.mode = FetchMode.READ
-        elif tier.device.type == "cpu" and device.type == "cuda":
-            self.mode = FetchMode.CUDA_COPY
-            self._stream = torch.cuda.Stream(device)
+        self.modes = [_mode_of(unit.tier, unit.device) for unit in units]
+        """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
+        if FetchMode.CUDA_COPY in self.modes:
+            self._stream = torch.cuda.Stream(units[0].device)
 
     @property
     def write_through(self) -> frozenset[int]:
@@ -80,13 +76,14 @@ class Prefetcher:
     def start(self, index: int) -> bool:
         """Begin fetching unit `index` ahead; False when nothing was started (nothing to
         fetch for this tier, already started or gathered, or no buffer free right now)."""
-        if self.mode is FetchMode.NONE or self._live(index) is not None:
+        mode = self.modes[index]
+        if mode is FetchMode.NONE or self._live(index) is not None:
             return False
         unit = self.units[index]
         if unit.is_gathered:
             return False
-        if self.mode is FetchMode.READ:
-            what = self.tier.fetch_ahead(unit.key, block=False)
+        if mode is FetchMode.READ:
+            what = unit.tier.fetch_ahead(unit.key, block=False)
             if what is None:
                 return False
             self.pending[index] = _Entry(what, now())
@@ -121,8 +118,8 @@ class Prefetcher:
         entry = self._live(index)
         if entry is not None:
             del self.pending[index]
-        elif self.mode is FetchMode.READ:
-            what = self.tier.take_held(self.units[index].key)
+        elif self.modes[index] is FetchMode.READ:
+            what = self.units[index].tier.take_held(self.units[index].key)
             entry = None if what is None else _Entry(what, now())
         if entry is None or not entry.claim():
             return None
@@ -131,9 +128,9 @@ class Prefetcher:
     def fetch_now(self, index: int) -> Optional["_Entry"]:
         """An on-demand fetch through the same path (NVMe: a blocking buffer acquire), so
         the engine measures the wait the same way; None for tiers gathered in place."""
-        if self.mode is not FetchMode.READ:
+        if self.modes[index] is not FetchMode.READ:
             return None
-        what = self.tier.fetch_ahead(self.units[index].key, block=True)
+        what = self.units[index].tier.fetch_ahead(self.units[index].key, block=True)
         return _Entry(what, now())
 
     def drop(self, index: Optional[int] = None, keep_fresh: bool = False) -> None:
@@ -159,6 +156,15 @@ class Prefetcher:
             e.drop()
             return None
         return e
+
+
+def _mode_of(tier: Any, device: torch.device) -> FetchMode:
+    """What fetching ahead means for a shard in `tier` when compute runs on `device`."""
+    if not tier.addressable:
+        return FetchMode.READ
+    if tier.device.type == "cpu" and device.type == "cuda":
+        return FetchMode.CUDA_COPY
+    return FetchMode.NONE
 
 
 class _Entry:

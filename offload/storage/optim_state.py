@@ -92,6 +92,10 @@ class HostOptimizerStates:
         self._staging = staging
         """The NVMe staging pool when the parameter tier is on NVMe (scratch comes from it)."""
 
+    def resident_at(self, index: int) -> bool:
+        """Whether unit `index`'s state lives in host memory: always, here."""
+        return True
+
     def initialize(self, index: int, master: torch.Tensor) -> None:
         st = self._states[index]
         if st.master is not master:
@@ -230,6 +234,10 @@ class NVMeOptimizerStates:
     @property
     def path(self) -> str:
         return self._swap.path
+
+    def resident_at(self, index: int) -> bool:
+        """Whether unit `index`'s state lives in host memory: never, here."""
+        return False
 
     def bytes_on_disk(self) -> int:
         return self._swap.total_bytes

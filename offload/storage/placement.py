@@ -1,0 +1,129 @@
+"""Which units' bytes stay in host memory when a tier is NVMe: per-unit placement.
+
+`offload.param_tier='nvme'` and `offload.optimizer_tier='nvme'` put every unit's parameter
+shard, or optimizer state, in the swap files. Host memory left over is better spent
+keeping some of them: a byte kept in RAM is a byte the step does not move through the disk.
+`Placement` says, per unit, whether its parameter shard and its optimizer state are on
+NVMe; `choose_placement` fills a host-memory budget (`offload.ram_budget_bytes`, or
+`offload.ram_fraction` of the NVMe bytes) with the bytes that save the most disk traffic
+per step:
+
+- a parameter shard on NVMe is read in forward, read again in backward and written after
+  its update: `PARAM_TRAFFIC` = 3 bytes moved per byte kept;
+- an optimizer state on NVMe (fp32 master and moments) is read and written once per step:
+  `STATE_TRAFFIC` = 2 bytes moved per byte kept.
+
+So parameter shards come first; among equals, the units that run first (the lowest
+indices): their forward reads start the step with no compute to hide behind, and their
+updates close the backward (the optimizer in backward updates the last unit first), so their
+I/O is the most exposed. The choice is a greedy fill by bytes saved per byte kept, which
+skips an item that does not fit and goes on with smaller ones.
+
+Pure arithmetic over sizes: the engine's builder and the planner (`python -m offload.plan`)
+make the same choice from the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["PARAM_TRAFFIC", "STATE_TRAFFIC", "Placement", "choose_placement"]
+
+PARAM_TRAFFIC = 3
+"""Bytes of disk traffic per step per byte of parameter shard on NVMe (2 reads, 1 write)."""
+STATE_TRAFFIC = 2
+"""Bytes of disk traffic per step per byte of optimizer state on NVMe (1 read, 1 write)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Per unit (by index): whether its parameter shard, and its optimizer state, are on NVMe."""
+
+    param_on_nvme: tuple[bool, ...]
+    state_on_nvme: tuple[bool, ...]
+
+    @classmethod
+    def uniform(cls, n_units: int, param_nvme: bool, state_nvme: bool) -> "Placement":
+        """Every unit alike: today's all-or-nothing tiers."""
+        return cls((param_nvme,) * n_units, (state_nvme,) * n_units)
+
+    @property
+    def any_nvme(self) -> bool:
+        return any(self.param_on_nvme) or any(self.state_on_nvme)
+
+    @property
+    def mixed(self) -> bool:
+        """Some units of one kind in RAM and others on NVMe."""
+        return any(len(set(v)) > 1 for v in (self.param_on_nvme, self.state_on_nvme))
+
+    def kept_bytes(self, param_bytes: Sequence[int], state_bytes: Sequence[int],
+                   param_tier_nvme: bool, state_tier_nvme: bool) -> int:
+        """Host bytes the placement keeps out of an NVMe tier."""
+        kept = 0
+        if param_tier_nvme:
+            kept += sum(b for b, on in zip(param_bytes, self.param_on_nvme) if not on)
+        if state_tier_nvme:
+            kept += sum(b for b, on in zip(state_bytes, self.state_on_nvme) if not on)
+        return kept
+
+    def nvme_traffic(self, param_bytes: Sequence[int], state_bytes: Sequence[int]) -> int:
+        """Disk bytes per step this placement implies (the model above)."""
+        return (PARAM_TRAFFIC * sum(b for b, on in zip(param_bytes, self.param_on_nvme) if on)
+                + STATE_TRAFFIC * sum(b for b, on in zip(state_bytes, self.state_on_nvme) if on))
+
+    def describe(self) -> str:
+        """'params: 12/32 units in RAM; optimizer state: 0/32 units in RAM' (plus which)."""
+        def part(flags: tuple[bool, ...]) -> str:
+            ram = [i for i, on in enumerate(flags) if not on]
+            text = f"{len(ram)}/{len(flags)} units in RAM"
+            if ram and len(ram) < len(flags):
+                text += f" (units {_ranges(ram)})"
+            return text
+
+        return f"parameters: {part(self.param_on_nvme)}; optimizer state: {part(self.state_on_nvme)}"
+
+
+def choose_placement(
+    param_bytes: Sequence[int],
+    state_bytes: Sequence[int],
+    param_tier_nvme: bool,
+    state_tier_nvme: bool,
+    budget_bytes: int,
+) -> Placement:
+    """Keep in host memory, within `budget_bytes`, the units' parameter shards (`param_bytes`,
+    when `param_tier_nvme`) and optimizer states (`state_bytes`, when `state_tier_nvme`)
+    that save the most disk traffic per byte kept (see the module docstring). A tier that is
+    not NVMe keeps all its units where they are (in memory: `*_on_nvme` False)."""
+    if len(param_bytes) != len(state_bytes):
+        raise ValueError(f"{len(param_bytes)} parameter sizes for {len(state_bytes)} state sizes")
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} is negative")
+    n = len(param_bytes)
+    param_nvme = [param_tier_nvme] * n
+    state_nvme = [state_tier_nvme] * n
+    # (traffic saved per byte, then the earliest unit, then parameters before state)
+    items: list[tuple[int, int, int, list[bool], int]] = []
+    if param_tier_nvme:
+        items += [(-PARAM_TRAFFIC, i, 0, param_nvme, int(b)) for i, b in enumerate(param_bytes)]
+    if state_tier_nvme:
+        items += [(-STATE_TRAFFIC, i, 1, state_nvme, int(b)) for i, b in enumerate(state_bytes)]
+    left = int(budget_bytes)
+    for _, i, _, flags, size in sorted(items, key=lambda t: t[:3]):
+        if size <= left:
+            flags[i] = False
+            left -= size
+    return Placement(tuple(param_nvme), tuple(state_nvme))
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, start, prev = [], indices[0], indices[0]
+    for i in indices[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
