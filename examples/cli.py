@@ -38,7 +38,8 @@ size_arg.__name__ = "size"  # argparse names the type in its message: "invalid s
 
 def add_tier_flags(group: "argparse._ActionsContainer", placement: bool = False) -> None:
     """The flags every example shares for where training state lives: --param-tier,
-    --optimizer-tier (--placement with `placement`), --nvme-path, --pinned-budget."""
+    --optimizer-tier (--placement with `placement`), --nvme-path, --pinned-budget,
+    --ram-budget."""
     group.add_argument("--param-tier", choices=["device", "cpu", "nvme"], default="cpu",
                        help="where each rank's parameter shard lives")
     group.add_argument("--optimizer-tier", choices=["cpu", "nvme"], default="cpu",
@@ -50,6 +51,9 @@ def add_tier_flags(group: "argparse._ActionsContainer", placement: bool = False)
                        help="directory for swap files (nvme tiers); created if missing")
     group.add_argument("--pinned-budget", type=size_arg, default="1GiB",
                        help="pinned staging budget (nvme tiers), e.g. 1GiB, 512MB or bytes")
+    group.add_argument("--ram-budget", type=size_arg, default=None,
+                       help="host memory (per rank) for units kept in RAM instead of on an nvme "
+                            "tier, the bytes that save the most disk traffic first, e.g. 12GiB")
 
 
 def one_line(exc: BaseException) -> str:

@@ -77,7 +77,8 @@ def main(argv=None) -> dict:
     with engine_errors():  # the engine's checks at the door: `error: ...`, exit 2
         config = offload.Config.from_dict({
             "offload": {"param_tier": args.param_tier, "optimizer_tier": args.optimizer_tier,
-                        "nvme_path": args.nvme_path, "pinned_budget_bytes": args.pinned_budget},
+                        "nvme_path": args.nvme_path, "pinned_budget_bytes": args.pinned_budget,
+                        "ram_budget_bytes": args.ram_budget},
             "optimizer": {"lr": args.lr, "weight_decay": 0.0},
             "precision": {"dtype": args.precision},
             "gradient_clipping": 1.0,

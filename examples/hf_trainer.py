@@ -85,7 +85,8 @@ def offload_config(args: argparse.Namespace) -> dict:
     if args.config:
         return args.config  # a path: read by the trainer (JSON or YAML)
     return {"offload": {"param_tier": args.param_tier, "optimizer_tier": args.optimizer_tier,
-                        "nvme_path": args.nvme_path, "pinned_budget_bytes": args.pinned_budget}}
+                        "nvme_path": args.nvme_path, "pinned_budget_bytes": args.pinned_budget,
+                        "ram_budget_bytes": args.ram_budget}}
 
 
 def main(argv=None) -> dict:

@@ -15,6 +15,8 @@
 # set), RSS_BUDGET (default 4GiB), MOMENTS (fp32; bf16 saves 4 B/param of disk),
 # CLIP (gradient clipping, default 0: every unit is then updated during backward and its
 # fp32 gradient shard is transient, 4 B/param less host memory; 1.0 keeps them all),
+# RAM (host memory for units kept in RAM instead of on NVMe, e.g. 12GiB: parameter shards
+# first, then optimizer states; default 0, every unit on NVMe; the RSS budget grows by it),
 # SKIP_PLAIN=1 to skip step 1, DRY_RUN=1 to stop after the checks. It refuses to start when MemAvailable is below the planner's
 # host figure plus 2 GiB, or the disk below the swap files plus 5%: on a shared machine the
 # kernel's OOM killer must never be the one who says no.
@@ -28,11 +30,19 @@ BATCH="${BATCH:-1}"
 OUT="${OUT:-/work/bigrun}"
 NVME="${NVME:-$OUT/swap}"
 PINNED="${PINNED:-1200000000}"
+RSS_GIVEN="${RSS_BUDGET:-}"
 RSS_BUDGET="${RSS_BUDGET:-4GiB}"
 MOMENTS="${MOMENTS:-fp32}"
 CLIP="${CLIP:-0}"
+RAM="${RAM:-0}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$NVME"
+RAM_BYTES=$(cd "$HERE/.." && "$PY" -c 'import sys; from offload.sizes import parse_bytes; print(parse_bytes(sys.argv[1]))' "$RAM")
+if [[ -z "$RSS_GIVEN" && "$RAM_BYTES" != 0 ]]; then  # the default budget grows by RAM
+    RSS_BUDGET=$(( $(cd "$HERE/.." && "$PY" -c 'import sys; from offload.sizes import parse_bytes; print(parse_bytes(sys.argv[1]))' "$RSS_BUDGET") + RAM_BYTES ))
+fi
+RAM_FLAGS=()
+[[ "$RAM_BYTES" != 0 ]] && RAM_FLAGS=(--ram-budget "$RAM_BYTES")
 
 # The planner's figures for this model and placement, and the machine's room for them.
 read -r HOST_NEED NVME_NEED < <(cd "$HERE" && "$PY" -c '
@@ -54,6 +64,7 @@ DISK_FREE=$(df --output=avail -B1 "$NVME" | tail -1)
 gib() { awk -v b="$1" 'BEGIN {printf "%.1f GiB", b / 2^30}'; }
 echo "planner: host $(gib "$HOST_NEED") (gradient shards + staging pool + working buffers), swap files $(gib "$NVME_NEED")"
 echo "machine: MemAvailable $(gib "$AVAIL"), free under $NVME $(gib "$DISK_FREE")"
+HOST_NEED=$(( HOST_NEED + RAM_BYTES ))
 if (( AVAIL < HOST_NEED + (2 << 30) )); then
     echo "refusing: MemAvailable $(gib "$AVAIL") < planner's host figure + 2 GiB; wait for memory to free up" >&2
     exit 2
@@ -81,7 +92,7 @@ echo "== offload, log: $OUT/offload.log"
 /usr/bin/time -v "$PY" "$HERE/train_gpt.py" --size "$SIZE" --precision bf16 --init-on-meta \
     --param-tier nvme --optimizer-tier nvme --nvme-path "$NVME" --pinned-budget "$PINNED" \
     --moments "$MOMENTS" --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --device cpu --clip "$CLIP" \
-    --rss-budget "$RSS_BUDGET" --json "$OUT/offload.json" > "$OUT/offload.log" 2>&1
+    --rss-budget "$RSS_BUDGET" "${RAM_FLAGS[@]}" --json "$OUT/offload.json" > "$OUT/offload.log" 2>&1
 grep -vE $'^(done:|\t)' "$OUT/offload.log" || true
 grep -E "Maximum resident|Elapsed" "$OUT/offload.log"
 echo "swap directory after close(): $(du -sh "$NVME" | cut -f1)"

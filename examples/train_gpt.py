@@ -205,7 +205,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def make_config(args: argparse.Namespace) -> offload.Config:
     offload_section = {"nvme_path": args.nvme_path, "pinned_budget_bytes": args.pinned_budget,
-                       "placement": args.placement}
+                       "placement": args.placement, "ram_budget_bytes": args.ram_budget}
     if args.placement == "manual":
         offload_section.update(param_tier=args.param_tier, optimizer_tier=args.optimizer_tier)
     return offload.Config.from_dict({
@@ -296,6 +296,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
               f"{args.d_model}, vocab {args.vocab}, seq {args.seq}); world size {world}; "
               f"{args.precision}; params on {cfg.offload.param_tier}, optimizer on "
               f"{cfg.offload.optimizer_tier}; device {engine.device}", flush=True)
+        if engine.placement.mixed or cfg.offload.ram_budget_bytes:
+            print(f"kept in RAM instead of NVMe ({_size(cfg.offload.ram_budget_bytes or 0)} budget): "
+                  f"{engine.placement.describe()}", flush=True)
         if planned is not None:
             print(f"initialized in {init_s:.1f} s; planner, per rank: host {_size(planned['host'])} "
                   f"+ pinned {_size(planned['pinned'])}, nvme {_size(planned['nvme'])}, work "
@@ -385,8 +388,31 @@ def _planned(model: nn.Module, engine) -> Optional[dict]:
     except Exception as exc:  # the figures are a report, not a reason to stop training
         print(f"(planner figures unavailable: {type(exc).__name__}: {exc})", file=sys.stderr)
         return None
-    return {**est.per_rank.as_dict(), "work": est.working_device_bytes,
-            "disk_bytes_per_step": est.disk_bytes_per_step}
+    out = {**est.per_rank.as_dict(), "work": est.working_device_bytes,
+           "disk_bytes_per_step": est.disk_bytes_per_step}
+    # The planner's figures have every unit on its tier: move the units kept in RAM.
+    host, disk = _kept_in_ram(engine)
+    out["host"] += host
+    out["nvme"] -= disk
+    return out
+
+
+def _kept_in_ram(engine) -> tuple[int, int]:
+    """(host bytes, swap-file bytes) of the units `offload.ram_budget_bytes` kept in RAM
+    instead of on NVMe (a swap-file slot spans whole 4 KiB pages per tensor)."""
+    from offload.sizes import align_up
+
+    off, placement, host, disk = engine.config.offload, engine.placement, 0, 0
+    for i, (unit, st) in enumerate(zip(engine.units, engine.states)):
+        if off.param_tier == "nvme" and not placement.param_on_nvme[i]:
+            host += unit.layout.shard_numel * engine.dtype.itemsize
+            disk += align_up(unit.layout.shard_numel * engine.dtype.itemsize)
+        if off.optimizer_tier == "nvme" and not placement.state_on_nvme[i]:
+            sizes = [t.numel() * t.element_size()
+                     for t in (st.master, *(st.moments or {}).values()) if t is not None]
+            host += sum(sizes)
+            disk += sum(align_up(b) for b in sizes)
+    return host, disk
 
 
 def _rate(x: float) -> str:

@@ -127,6 +127,12 @@ def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path
                            "--rss-budget", "1MiB"], capture_output=True, text=True, timeout=240,
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert over.returncode == 3 and "exceeded --rss-budget 1.0 MiB" in over.stderr, over.stderr
+    # --ram-budget keeps units in RAM instead of on NVMe: the planner's figures follow.
+    kept = done(run("train_gpt.py", *args, "--ram-budget", "300KiB"))
+    assert kept["memory"]["nvme"] < result["memory"]["nvme"] and kept["memory"]["host"] > result["memory"]["host"]
+    assert kept["planned"]["host"] == kept["memory"]["host"]
+    assert kept["planned"]["nvme"] == kept["memory"]["nvme"]
+    assert sum(kept["io_bytes_per_step"]) < sum(result["io_bytes_per_step"])
 
 
 def _plain_pytorch_oom(mem_limit: str) -> subprocess.CompletedProcess:
