@@ -516,3 +516,39 @@ def test_an_nvme_placement_keeps_units_in_the_ram_left_over_and_the_engine_agree
         assert engine.global_steps == 1
     finally:
         engine.close()
+
+
+# -- which ZeRO stage (issue 18) ---------------------------------------------------------------
+
+
+def test_stages_recommend_stage_2_where_whole_parameters_fit_on_the_gpus():
+    from offload.plan import compare_stages
+
+    m = make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="1TiB", world_size=64)
+    small = compare_stages(7.5e9, machine=m)
+    assert small.recommended == 2, small
+    e2, e3 = small.plans[2].recommended, small.plans[3].recommended
+    assert e2.per_rank.device > 10 * e3.per_rank.device  # the price: whole parameters per GPU
+    assert "no all-gather" in small.reason and small.config_snippet()["zero_stage"] == 2
+    # Negative control: 70B whole in bf16 is 140 GB per GPU; only stage 3 fits.
+    big = compare_stages(70e9, machine=make_machine(gpus=8, gpu_mem="80GiB", cpu_mem="2TiB"))
+    assert big.plans[2].recommended is None and big.recommended == 3, big
+    assert "only stage that fits" in big.reason
+    # Stages 1 and 2 never page parameters through NVMe (the engine refuses it).
+    assert all(e.param_tier != "nvme" for s in (1, 2) for e in small.plans[s].estimates)
+
+
+def test_stages_on_the_cpu_recommend_stage_3_and_the_cli_prints_them():
+    from offload.plan import compare_stages
+
+    cpu = compare_stages(1e9, machine=make_machine(gpus=0, cpu_mem="64GiB"))
+    assert cpu.recommended == 3 and "compute is on the CPU" in cpu.reason
+    out = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "7.5e9", "--gpus", "8",
+                          "--gpu-mem", "80GiB", "--cpu-mem", "1TiB", "--world-size", "64", "--stages"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: stage 2" in out.stdout and '"zero_stage": 2' in out.stdout
+    js = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "1e9", "--gpus", "0",
+                         "--cpu-mem", "64GiB", "--stages", "--json"], capture_output=True, text=True,
+                        timeout=120)
+    assert json.loads(js.stdout)["recommended_stage"] == 3

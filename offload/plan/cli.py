@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from offload.config import Config
 from offload.dtypes import DTYPES, MOMENT_DTYPES
 from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
 from offload.plan.planner import plan
+from offload.plan.stages import compare_stages
 from offload.plan.tier_bytes import default_units
 from offload.sizes import parse_bytes, parse_count
 
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="per GPU, held back for activations and the CUDA context: '20%%' or a size")
     p.add_argument("--cpu-reserve", default=DEFAULT_RESERVES["cpu"], help="per node: '10%%' or a size")
     p.add_argument("--nvme-reserve", default=DEFAULT_RESERVES["nvme"], help="per node: '5%%' or a size")
+    p.add_argument("--stages", action="store_true",
+                   help="compare ZeRO stages 3, 2 and 1 and recommend one (offload.plan.stages)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -91,11 +94,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "precision": {"dtype": args.dtype},
                                 "optimizer": {"moments_dtype": args.moments}})
         count = _param_count(args.params, "--params")
+        what: Any = count
+        kw: dict[str, Any] = {"units": args.units}
         if args.trainable is not None:
-            model = _frozen_split_model(count, _param_count(args.trainable, "--trainable"), args.units)
-            result = plan(model, machine=machine, config=cfg)
-        else:
-            result = plan(count, machine=machine, config=cfg, units=args.units)
+            what = _frozen_split_model(count, _param_count(args.trainable, "--trainable"), args.units)
+            kw = {}
+        result: Any = (compare_stages if args.stages else plan)(what, machine=machine, config=cfg, **kw)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
