@@ -546,7 +546,7 @@ class Engine:
         """What the NVMe tiers moved since `initialize`: bytes read and written, and seconds
         the engine's thread waited for I/O (all zero without an NVMe tier)."""
         if self.nvme is None:
-            return {"bytes_read": 0, "bytes_written": 0, "wait_s": 0.0}
+            return {"bytes_read": 0, "bytes_written": 0, "wait_s": 0.0, "bytes_dropped": 0}
         return self.nvme.stats.snapshot()
 
     def close(self) -> None:

@@ -129,8 +129,14 @@ def test_staging_revokes_leases_for_a_buffer_needed_now():
     leases = [staging.lease(4096), staging.lease(4096)]
     assert all(lease.state is LeaseState.HELD for lease in leases)
     assert staging.lease(4096) is None  # never waits, never revokes another lease
-    buf = staging.acquire(4096)  # the pool is full, no write in flight: every lease goes
-    assert all(lease.state is LeaseState.REVOKED and lease.claim() is None for lease in leases)
+    # The pool is full, no write in flight: the newest lease goes (its bytes are needed
+    # last), only as many as the buffer needs; the older one keeps its bytes.
+    buf = staging.acquire(4096)
+    assert leases[1].state is LeaseState.REVOKED and leases[1].claim() is None
+    assert leases[0].state is LeaseState.HELD and staging.stats.bytes_dropped == 4096
+    other = staging.acquire(4096)  # and then the next newest
+    assert leases[0].state is LeaseState.REVOKED and staging.stats.bytes_dropped == 8192
+    staging.release(other)
     leases[0].release()  # a holder giving back a revoked lease is harmless
     kept = staging.lease(4096)
     mine = kept.claim()  # claimed: an ordinary buffer, no longer revocable

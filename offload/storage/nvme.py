@@ -33,9 +33,14 @@ for, it revokes every lease it tracks (waiting first for the read into each to l
 tries again. Nothing is called back: the holder finds its lease `REVOKED` when it next looks
 and treats what it had as never fetched (fetched on demand instead). A holder that starts
 using the bytes (a gather copying from them, an update reading them) `claim`s the lease
-first: from then on it is an ordinary buffer the pool no longer takes back. Revoking all
-rather than just enough keeps the rule simple and matches what a full pool says: prefetch
-ran ahead of the budget, and whatever it holds is the least needed.
+first: from then on it is an ordinary buffer the pool no longer takes back. It revokes
+the newest lease first, one at a time, until the buffer fits: bytes are fetched ahead in the
+order they are needed (the next units' shards, the next units' state, a copy of the shards the
+next iteration starts with, taken at the end of the step), so the lease taken last holds
+the bytes needed last, and the ones needed soonest are not read twice. (Revoking every lease
+at once, as this did first, threw away the reads for the very next units too: on the 4.11B
+run 131 GB were read per step for 124 GB of state.) `IOStats.bytes_dropped` counts what the
+pool took back.
 
 [Note: held files]
 A checkpoint load may leave a unit's optimizer state where it is, in the checkpoint's shard
@@ -135,9 +140,13 @@ class IOStats:
         self.bytes_written = 0
         self.wait_s = 0.0
         """Seconds the engine's thread spent blocked waiting for I/O to complete."""
+        self.bytes_dropped = 0
+        """Bytes fetched ahead (or kept at a store) that the pool took back before their use:
+        read again on demand ([Note: evictable leases])."""
 
     def snapshot(self) -> dict[str, float]:
-        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "wait_s": self.wait_s}
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "wait_s": self.wait_s,
+                "bytes_dropped": self.bytes_dropped}
 
 
 class LeaseState(enum.Enum):
@@ -220,8 +229,10 @@ class Staging:
     (O_DIRECT fast path).
     """
 
-    def __init__(self, budget_bytes: int, pin: Optional[bool] = None) -> None:
+    def __init__(self, budget_bytes: int, pin: Optional[bool] = None,
+                 stats: Optional[IOStats] = None) -> None:
         self.pool = BufferPool(int(budget_bytes), pin=pin)
+        self.stats = stats if stats is not None else IOStats()
         self._inflight: collections.deque[Pending] = collections.deque()
         self._leases: dict[int, Lease] = {}
         """Leases still `HELD`, oldest first: what `acquire` revokes when the pool is full."""
@@ -232,13 +243,14 @@ class Staging:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A buffer of `nbytes` for use now; waits for writes in flight (oldest first) to
-        make room, and when none is left revokes the leases ([Note: evictable leases])."""
+        make room, and when none is left revokes leases, newest first ([Note: evictable
+        leases])."""
         while True:
             buf = self._try(nbytes)
             if buf is not None:
                 return buf
             if not self._inflight:
-                if self.revoke_leases():
+                if self.revoke_newest():
                     continue
                 raise RuntimeError(
                     f"the pinned staging budget offload.pinned_budget_bytes={self.pool.budget_bytes} "
@@ -262,6 +274,15 @@ class Staging:
         lease = Lease(self, buf)
         self._leases[id(lease)] = lease
         return lease
+
+    def revoke_newest(self) -> bool:
+        """Revoke the lease taken last (its bytes are needed last); whether there was one."""
+        if not self._leases:
+            return False
+        lease = self._leases[next(reversed(self._leases))]
+        self.stats.bytes_dropped += lease.buffer.numel()
+        lease.revoke()
+        return True
 
     def revoke_leases(self) -> bool:
         """Revoke every lease still held, oldest first; whether there was any."""
@@ -324,11 +345,11 @@ class NVMeContext:
         self.directory = SwapDirectory(nvme_path, rank)
         try:
             self.aio = AIOHandle(block_size, queue_depth, threads)
-            self.staging = Staging(budget_bytes, pin=pin)
+            self.stats = IOStats()
+            self.staging = Staging(budget_bytes, pin=pin, stats=self.stats)
         except BaseException:
             self.directory.close()
             raise
-        self.stats = IOStats()
         self.files = HeldFiles()
         """Checkpoint files the stores read in place of swap slots ([Note: held files])."""
         self._lock = threading.Lock()
