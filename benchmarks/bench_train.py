@@ -30,7 +30,18 @@ A contender that cannot run here is dropped with its reason printed.
 For the NVMe contenders the table adds the bytes moved per step (engine.io_stats()), the
 disk bandwidth that amounts to over the step time, the time the step waited for I/O, and
 that bandwidth as a share of the disk's sequential peak, measured in the same run with
-offload.storage.io (one large O_DIRECT write and read of a file under --nvme-path).
+offload.storage.io (benchmarks/disk_floor.py: a file created fresh under --nvme-path,
+--peak-mb of it, default 1 GiB (256 MiB with --quick), O_DIRECT overwrites and reads).
+
+A second table, "the step at the disk's speed" (issue #21), one row per NVMe contender:
+read_MiB / write_MiB per step (the engines: engine.io_stats(); deepspeed_nvme: the
+process's /proc/self/io read_bytes / write_bytes deltas over the step, column io_source),
+the disk's read/write GB/s, floor_ms = read_bytes / read_bw + write_bytes / write_bw (the
+conservative floor: reads and writes not overlapping), floor_max_ms = max() of the two (the
+floor if they overlapped fully; the probe's `overlap`, 1.0 = shared bandwidth .. 2.0 = full
+duplex, says which is nearer on this disk), in_memory_ms = the `engine` row's median step,
+bound_ms = max(floor_ms, in_memory_ms) and step_over_bound = step_ms / bound_ms (1.0 = the
+step runs at its bound; the JSON rows carry every field).
 
 For every engine contender it adds what `engine.step_stats()` measured (offload/runtime/timeline.py):
 stall_ms (the engine's thread blocked on NVMe I/O of any kind, on host-to-device copies,
@@ -72,6 +83,7 @@ from benchmarks._common import (  # noqa: E402
 # The model the tests and examples train too (offload/models/gpt.py), with GPT-2's qkv bias.
 from offload.models.gpt import GPT, gpt_batches  # noqa: E402
 from offload.sizes import MiB  # noqa: E402
+from benchmarks.disk_floor import floor_fields  # noqa: E402
 
 
 def _bytes(tensors) -> int:
@@ -106,36 +118,24 @@ def _ensure_group(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
-def disk_peak(path: str, nbytes: int, block_size: int, queue_depth: int, threads: int, rounds: int = 3) -> dict[str, float]:
-    """Sequential O_DIRECT write and read of one `nbytes` file with offload.storage.io: the disk's
-    peak as the NVMe tiers see it (same handle settings), medians of `rounds`."""
-    from offload.storage.io import AIOHandle, aligned_empty
+# The second table (the NVMe rows); every row of the JSON carries the fields after step_ms.
+NVME_COLUMNS = ["contender", "step_ms", "io_source", "read_MiB", "write_MiB", "disk_read_GBps", "disk_write_GBps",
+                "floor_ms", "floor_max_ms", "in_memory_ms", "bound_ms", "step_over_bound"]
 
-    os.makedirs(path, exist_ok=True)
-    f = os.path.join(path, "peak.bin")
-    buf = aligned_empty(nbytes)
-    buf.fill_(1)
-    w, r = [], []
-    with AIOHandle(block_size, queue_depth, threads) as h:
-        h.pwrite(buf, f, 0).wait()  # allocate the blocks: later writes are overwrites
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            h.pwrite(buf, f, 0).wait()
-            w.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            h.pread(buf, f, 0).wait()
-            r.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    os.unlink(f)
-    import statistics
 
-    return {"write_GBps": statistics.median(w), "read_GBps": statistics.median(r)}
+def disk_peak(path: str, nbytes: int, block_size: int, queue_depth: int, threads: int, rounds: int = 3) -> dict:
+    """The disk's sequential O_DIRECT bandwidth under `path` (benchmarks/disk_floor.py)."""
+    from benchmarks.disk_floor import disk_bandwidth
+
+    return disk_bandwidth(path, nbytes, block_size, queue_depth, threads, rounds)
 
 
 def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callable[[], float]], dict[str, dict]]:
     contenders: dict[str, Callable[[], float]] = {}
     memory: dict[str, dict] = {}
     io: dict[str, dict] = {}
-    """name -> {"stats": engine.io_stats, "per_step": [(bytes, wait_s), ...]} for NVMe."""
+    """name -> {"source": "io_stats" | "/proc/self/io", "per_step": [(bytes, wait_s, read, written), ...]}
+    for NVMe (wait_s None where not measured: DeepSpeed)."""
     sched: dict[str, list[dict]] = {}
     """name -> engine.step_stats() of every measured step, for engine contenders."""
     dropped: dict[str, str] = {}
@@ -239,7 +239,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         engine.bench_name = name
         engines.append(engine)
         step_fn = timed_step(lambda: engine(x, y), engine.backward, engine.step)
-        rec = io[name] = {"per_step": []} if nvme else None
+        rec = io[name] = {"per_step": [], "source": "io_stats"} if nvme else None
         steps = sched[name] = []
 
         def fn() -> float:
@@ -248,8 +248,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             b = engine.io_stats()
             steps.append(engine.step_stats())
             if rec is not None:
-                moved = b["bytes_read"] - a["bytes_read"] + b["bytes_written"] - a["bytes_written"]
-                rec["per_step"].append((moved, b["wait_s"] - a["wait_s"]))
+                rd, wr = b["bytes_read"] - a["bytes_read"], b["bytes_written"] - a["bytes_written"]
+                rec["per_step"].append((rd + wr, b["wait_s"] - a["wait_s"], rd, wr))
             return t
 
         return fn, engine.memory_bytes
@@ -315,6 +315,19 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         eng, *_ = deepspeed.initialize(model=make_model(), model_parameters=None, config=ds_cfg)
         eng.optimizer  # noqa: B018
         fn = timed_step(lambda: eng(x.to(eng.device), y.to(eng.device)), eng.backward, eng.step)
+        if nvme:  # no io_stats(): the bytes this process made the block layer move per step
+            from benchmarks.disk_floor import proc_io
+
+            rec = io["deepspeed_nvme"] = {"per_step": [], "source": "/proc/self/io"}
+            step_fn = fn
+
+            def fn() -> float:
+                a = proc_io()
+                t = step_fn()
+                b = proc_io()
+                if a and b:
+                    rec["per_step"].append((b[0] - a[0] + b[1] - a[1], None, b[0] - a[0], b[1] - a[1]))
+                return t
         return fn, {"device": None, "host": None, "nvme": None}  # not exposed by DeepSpeed here
 
     engines: list = []
@@ -422,8 +435,11 @@ def main() -> None:
     if io:
         peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
         peak = disk_peak(args.nvme_path, peak_bytes, args.block_size, args.queue_depth, args.io_threads)
-        print(f"disk peak (offload.storage.io, {peak_bytes >> 20} MiB sequential O_DIRECT under {args.nvme_path}): "
-              f"write {peak['write_GBps']:.2f} GB/s, read {peak['read_GBps']:.2f} GB/s")
+        print(f"disk peak (offload.storage.io, {peak_bytes >> 20} MiB file created fresh, sequential "
+              f"{'O_DIRECT' if peak['direct'] else 'BUFFERED (O_DIRECT refused: page cache, not the disk)'} "
+              f"under {args.nvme_path}): write {peak['write_GBps']:.2f} GB/s (first write, allocating: "
+              f"{peak['write_alloc_GBps']:.2f}, with an fsync: {peak['write_fsync_GBps']:.2f}), read {peak['read_GBps']:.2f} GB/s; read+write together "
+              f"{peak['mixed_GBps']:.2f} GB/s, overlap {peak['overlap']:.2f} (1 = shared bandwidth, 2 = full duplex)")
     samples = interleave(contenders, repeats, desc="train step")
     med = {k: s.median for k, s in samples.items() if s.values}
     rows = []
@@ -448,9 +464,10 @@ def main() -> None:
             "io_hidden_pct": None,
         }
         if name in io and io[name]["per_step"]:
-            moved = statistics.median(m for m, _ in io[name]["per_step"])
-            wait = statistics.median(w for _, w in io[name]["per_step"])
-            row.update(io_MiB_per_step=_mib(moved), io_wait_ms=wait * 1e3, disk_GBps=moved / t / 1e9)
+            moved = statistics.median(m[0] for m in io[name]["per_step"])
+            waits = [m[1] for m in io[name]["per_step"] if m[1] is not None]
+            row.update(io_MiB_per_step=_mib(moved), io_wait_ms=statistics.median(waits) * 1e3 if waits else None,
+                       disk_GBps=moved / t / 1e9)
         if sched.get(name):
             st = [s for s in sched[name] if s is not None]
             stall = statistics.median(s["stall_s"] for s in st)
@@ -479,6 +496,13 @@ def main() -> None:
                 if row["disk_GBps"] is not None and peak else None
             ),
         )
+        row.update(dict.fromkeys(NVME_COLUMNS[2:]))  # issue #21: the step at the disk's speed
+        if name in io and io[name]["per_step"]:
+            per = io[name]["per_step"]
+            row.update(io_source=io[name]["source"], disk_read_GBps=peak and peak["read_GBps"],
+                       disk_write_GBps=peak and peak["write_GBps"])
+            row.update(floor_fields(t, statistics.median(m[2] for m in per), statistics.median(m[3] for m in per),
+                                    peak, med.get("engine")))
         rows.append(row)
     print("step time ratios: the peer's step time / this row's (>1 = this row is faster); memory: state the contender holds "
           "(params, grads, optimizer; engine: memory_bytes()); disk_GBps: bytes the NVMe tiers "
@@ -492,7 +516,18 @@ def main() -> None:
     missing = {k: v for k, v in dropped.items() if k not in med}
     for name, why in missing.items():
         print(f"  not run: {name}: {why}")
-    print_table(rows, na=na_reasons(ratio_peers, missing))
+    print_table(rows, [c for c in rows[0] if c not in NVME_COLUMNS[2:]] if rows else None,
+                na=na_reasons(ratio_peers, missing))
+    nvme_rows = [r for r in rows if r["io_source"]]
+    if nvme_rows:
+        print("\nthe step at the disk's speed: read/write_MiB per step (io_source); floor_ms = bytes read / "
+              "disk_read_GBps + bytes written / disk_write_GBps (reads and writes not overlapping; floor_max_ms: "
+              f"max() of the two, if they overlapped fully; this disk's overlap: {peak['overlap']:.2f}, 1 = none, "
+              "2 = full); bound_ms = max(floor_ms, in_memory_ms = the engine row's step); step_over_bound = "
+              "step_ms / bound_ms" if peak else "\nNVMe bytes per step (no disk probe: no floor)")
+        if peak and not peak["direct"]:
+            print(f"  WARNING: {args.nvme_path} refused O_DIRECT: the bandwidths are the page cache's, the floor is not the disk's")
+        print_table(nvme_rows, NVME_COLUMNS)
     if args.timeline:
         for e in engines:
             path = f"{args.timeline}-{e.bench_name}.json"

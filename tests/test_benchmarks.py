@@ -144,3 +144,80 @@ def test_suite_runs_bench_optimizers_with_every_native_row_and_its_targets(tmp_p
     assert "## bench_optimizers" in report and "| lion ours fp32 | 20 |" in report
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench_optimizers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench_train(tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--quick", "--no-fsdp2",
+           "--no-deepspeed", "--no-lora", "--repeats", "2", "--peak-mb", "64", "--json", str(out), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_bench_train_reports_the_step_at_the_disks_speed(tmp_path):
+    # issue #21: per NVMe row, the bytes read and written per step, the disk's bandwidth
+    # measured in the same run, the floor they imply and step / max(floor, in-memory step),
+    # every figure recomputable from the others in the JSON.
+    data, stdout = _bench_train(tmp_path, "nvme", "--nvme-path", str(tmp_path / "swap"))
+    disk = data["disk_peak"]
+    assert disk["bytes"] == 64 << 20 and disk["read_GBps"] > 0 and disk["write_GBps"] > 0
+    assert disk["overlap"] > 0 and disk["mixed_GBps"] > 0 and isinstance(disk["direct"], bool)
+    assert disk["write_fsync_GBps"] > 0 and disk["write_alloc_GBps"] > 0
+    assert not list((tmp_path / "swap").glob("peak*.bin"))  # the probe's files are gone
+    rows = {r["contender"]: r for r in data["rows"]}
+    in_memory = rows["engine"]["step_ms"]
+    for name in ("engine_nvme_opt", "engine_nvme_all"):
+        r = rows[name]
+        assert r["io_source"] == "io_stats" and r["read_MiB"] > 0 and r["write_MiB"] > 0
+        assert r["disk_read_GBps"] == disk["read_GBps"] and r["disk_write_GBps"] == disk["write_GBps"]
+        rd = r["read_MiB"] * (1 << 20) / (disk["read_GBps"] * 1e9) * 1e3
+        wr = r["write_MiB"] * (1 << 20) / (disk["write_GBps"] * 1e9) * 1e3
+        assert r["floor_ms"] == pytest.approx(rd + wr, rel=1e-9)
+        assert r["floor_max_ms"] == pytest.approx(max(rd, wr), rel=1e-9) and r["floor_max_ms"] < r["floor_ms"]
+        assert r["in_memory_ms"] == pytest.approx(in_memory, rel=1e-12)
+        assert r["bound_ms"] == pytest.approx(max(rd + wr, in_memory), rel=1e-9)
+        assert r["step_over_bound"] == pytest.approx(r["step_ms"] / r["bound_ms"], rel=1e-9)
+        # the old column is the sum of the two new ones (both from engine.io_stats())
+        assert r["io_MiB_per_step"] == pytest.approx(r["read_MiB"] + r["write_MiB"], rel=1e-9)
+    # the optimizer tier on NVMe reads and writes its whole state each step: master + 2 moments
+    n_params = data["n_params"]
+    assert rows["engine_nvme_opt"]["read_MiB"] * (1 << 20) >= 12 * n_params * 0.99
+    for name in ("torch", "engine", "engine_stage2"):  # negative control: no NVMe, no floor
+        assert rows[name]["io_source"] is None and rows[name]["floor_ms"] is None
+    assert "the step at the disk's speed" in stdout and "step_over_bound" in stdout
+
+
+def test_bench_train_without_nvme_has_no_disk_probe_and_no_floor(tmp_path):
+    data, stdout = _bench_train(tmp_path, "cpu", "--no-nvme")
+    assert data["disk_peak"] is None and "step at the disk's speed" not in stdout
+    assert all(r["read_MiB"] is None and r["step_over_bound"] is None for r in data["rows"])
+    assert {"engine_nvme_opt", "engine_nvme_all"} <= set(data["peers_missing"])
+
+
+def test_proc_io_counts_odirect_bytes_of_worker_threads(tmp_path):
+    # How bench_train counts deepspeed_nvme's bytes (it has no io_stats()): /proc/self/io
+    # must see O_DIRECT transfers issued by an I/O library's own threads.
+    from benchmarks.disk_floor import proc_io
+    from offload.storage.io import AIOHandle, aligned_empty
+
+    if proc_io() is None:
+        pytest.skip("/proc/self/io is not readable here")
+    nbytes = 16 << 20
+    buf = aligned_empty(nbytes)
+    buf.fill_(3)
+    f = tmp_path / "io.bin"
+    with AIOHandle(1 << 20, 8, 2) as h:
+        if not h.direct_io(tmp_path):
+            pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs): no block-layer bytes to count")
+        quiet0 = proc_io()
+        quiet1 = proc_io()
+        a = proc_io()
+        h.pwrite(buf, f, 0).wait()
+        b = proc_io()
+        h.pread(buf, f, 0).wait()
+        c = proc_io()
+    assert quiet1[0] - quiet0[0] < 1 << 20 and quiet1[1] - quiet0[1] < 1 << 20  # negative control
+    assert nbytes <= b[1] - a[1] < 2 * nbytes  # written
+    assert nbytes <= c[0] - b[0] < 2 * nbytes  # read
