@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from offload.optim import generic
 from offload.optim.functional import adam_step_flat
 from offload.optim.one_state import adagrad_step_flat, lion_step_flat
 
@@ -47,7 +48,9 @@ def state_names(kind: str) -> tuple[str, ...]:
     try:
         return STATE_NAMES[kind]
     except KeyError:
-        raise ValueError(f"optimizer type {kind!r}; the engine runs {', '.join(KINDS)}") from None
+        raise ValueError(f"optimizer type {kind!r}; the engine runs {', '.join(KINDS)} natively and "
+                         "any elementwise torch optimizer passed as optimizer= (offload/optim/generic.py)"
+                         ) from None
 
 
 def base_group(oc: Any) -> dict[str, Any]:
@@ -105,6 +108,8 @@ def update_fn(kind: str, *, decoupled: bool, threads: int = 0,
                               grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
 
         return adagrad_update
+    if kind in generic.GENERIC:
+        return generic.generic_update(kind)
     state_names(kind)  # raises, naming the types
     raise AssertionError(kind)
 
@@ -122,11 +127,10 @@ def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> str:
     elif name == "Lion" and type(optimizer).__module__.startswith("lion_pytorch"):
         kind = "Lion"
     else:
-        raise TypeError(
-            f"optimizer={name}: the engine runs Adam/AdamW, Lion and Adagrad on the CPU; pass a "
-            "torch.optim.Adam, AdamW or Adagrad, a lion_pytorch.Lion, param groups, or a dict of "
-            "hyperparameters (with config optimizer.type naming the optimizer)"
-        )
+        # Any other: the generic path, when its update is elementwise (raises why not).
+        kind, names, keys = generic.register(optimizer)
+        STATE_NAMES[kind], HYPERPARAMS[kind] = names, keys
+        return kind
     unsupported = {"Adam": ("amsgrad", "maximize", "capturable", "differentiable"),
                    "AdamW": ("amsgrad", "maximize", "capturable", "differentiable"),
                    "Adagrad": ("maximize", "differentiable"),
@@ -137,6 +141,11 @@ def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> str:
                 on = g.get(flag, 0.0) not in (0.0, None)
             else:
                 on = bool(g.get(flag, False))
+            if on and kind in ("Adam", "AdamW", "Adagrad"):
+                # torch's own class runs it: the generic path (Adam's amsgrad, maximize)
+                generic_kind, names, keys = generic.register(optimizer)
+                STATE_NAMES[generic_kind], HYPERPARAMS[generic_kind] = names, keys
+                return generic_kind
             if on:
                 raise NotImplementedError(
                     f"optimizer={name} param group {gi} sets {flag}=True, which the engine's CPU "
@@ -193,7 +202,10 @@ def resolve_param_groups(
 
 
 def _torch_defaults(optimizer: Any, kind: str) -> dict[str, Any]:
-    """A torch optimizer of another type than the config's: its own defaults."""
+    """A torch optimizer of another type than the config's: its own defaults (a generic
+    one's all of them, flags included: its class takes them back)."""
+    if kind in generic.GENERIC:
+        return {k: v for k, v in optimizer.defaults.items() if k != "params"}
     return {k: optimizer.defaults[k] for k in HYPERPARAMS[kind]}
 
 
