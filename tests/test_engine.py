@@ -571,9 +571,9 @@ def test_config_errors_are_clear():
         offload.initialize(TinyGPT(), make_config(), optimizer=[{"params": [nn.Parameter(torch.ones(2))]}])
     with pytest.raises(ValueError, match="not known"):
         offload.initialize(TinyGPT(), make_config(), optimizer={"momentum": 0.9})
-    with pytest.raises(TypeError, match="Adam/AdamW"):
+    with pytest.raises(TypeError, match="is not elementwise"):  # tests/test_generic_optimizers.py
         m = TinyGPT()
-        offload.initialize(m, make_config(), optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+        offload.initialize(m, make_config(), optimizer=torch.optim.Adafactor(m.parameters(), lr=0.1))
 
 
 def test_dict_config_goes_through_load_config():

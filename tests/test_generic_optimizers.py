@@ -14,6 +14,7 @@ path, offload/optim/generic.py): SGD with momentum, RMSprop, Adam with amsgrad.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -202,3 +203,29 @@ def test_optimizers_that_need_a_whole_parameter_are_refused_with_the_reason(make
     m = make_model()
     with pytest.raises(TypeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
         offload.initialize(m, make_config(), optimizer=make(m.parameters()))
+
+
+def test_config_and_deepspeed_sgd_run_torch_sgd_on_the_shards():
+    """optimizer.type 'SGD' (offload's config, and DeepSpeed's, which builds torch.optim.SGD
+    from its params) trains exactly as torch.optim.SGD handed to initialize."""
+    import warnings
+
+    hp = {"lr": LR, "momentum": 0.9, "nesterov": True, "weight_decay": WD}
+    cfg = make_config()
+    want = trained(cfg, "SGD")  # torch.optim.SGD(momentum 0.9, nesterov) handed over
+    own = dataclasses.replace(cfg, optimizer=OptimizerConfig(type="SGD", **hp))
+    got = engine_train(own, "SGD", engine=offload.initialize(make_model(), own))
+    assert got.optimizer.state_names == ("momentum_buffer",)
+    sd = got.full_state_dict()
+    got.close()
+    assert all(torch.equal(sd[k], want[k]) for k in want)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
+          "gradient_clipping": CLIP, "optimizer": {"type": "SGD", "params": hp},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        translated = Config.from_deepspeed(ds)
+    assert translated.optimizer.type == "SGD" and translated.optimizer.momentum == 0.9
+    translated = dataclasses.replace(translated, compute_device="cpu", precision=PrecisionConfig(dtype="fp32"))
+    sd = trained(translated, "SGD", engine=offload.initialize(make_model(), translated))
+    assert all(torch.equal(sd[k], want[k]) for k in want)

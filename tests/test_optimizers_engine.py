@@ -287,7 +287,7 @@ def test_deepspeed_config_trains_lion_and_adagrad(kind):
 
 
 @pytest.mark.parametrize("name,reason", [("Lamb", "trust ratio"), ("OneBitAdam", "compresses"),
-                                         ("ZeroOneAdam", "compresses"), ("SGD", "no SGD kernel")])
+                                         ("ZeroOneAdam", "compresses"), ("MuSGD", "shape")])
 def test_deepspeed_optimizers_offload_cannot_run_are_refused_with_the_reason(name, reason):
     with pytest.raises(ValueError, match=f"'{name}' is not supported: .*{reason}"):
         Config.from_deepspeed(_ds({"type": name, "params": {}}))

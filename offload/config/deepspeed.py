@@ -68,7 +68,8 @@ __all__ = ["translate_deepspeed", "DS_ONLY_TOP_KEYS"]
 
 _OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
                      "adam_w_mode", "torch_adam", "fp32_optimizer_states", "foreach",
-                     "set_grad_none", "max_grad_norm", "lr_decay", "initial_accumulator_value")
+                     "set_grad_none", "max_grad_norm", "lr_decay", "initial_accumulator_value",
+                     "momentum", "dampening", "nesterov", "maximize", "differentiable", "fused")
 _FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
               "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 _BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "check_overflow",
@@ -323,11 +324,11 @@ _UNRUNNABLE_OPTIMIZERS = {
     "onebitlamb": "1-bit LAMB compresses communication and needs whole-parameter norms",
     "zerooneadam": "0/1 Adam compresses communication with variance freezing, which offload "
                    "does not do",
-    "sgd": "offload has no SGD kernel yet (the engine runs Adam, AdamW, Lion and Adagrad)",
     "muadam": "MuAdam (mup) scales each parameter's learning rate by its shape, which the "
               "flat shards do not carry",
     "muadamw": "MuAdamW (mup) scales each parameter's learning rate by its shape",
-    "musgd": "MuSGD (mup) is SGD with per-shape learning rates; offload has no SGD kernel",
+    "musgd": "MuSGD (mup) scales each parameter's learning rate by its shape, which the flat "
+             "shards do not carry",
     "muon": "Muon orthogonalizes each whole weight matrix, which a flat shard does not hold",
 }
 """DeepSpeed optimizer names (lower-cased, as it compares them) offload cannot run, and why."""
@@ -348,9 +349,10 @@ def _optimizer(t: Translation) -> None:
     if low in _UNRUNNABLE_OPTIMIZERS:
         raise ConfigError("optimizer.type", f"= {name!r} is not supported: {_UNRUNNABLE_OPTIMIZERS[low]}",
                           "use 'Adam', 'AdamW', 'Lion' or 'Adagrad' (or train this model with DeepSpeed)")
-    if low not in ("adam", "adamw", "lion", "adagrad"):
+    if low not in ("adam", "adamw", "lion", "adagrad", "sgd"):
         raise ConfigError("optimizer.type", f"= {name!r} is not supported: offload runs its CPU "
-                          "Adam/AdamW, Lion and Adagrad", "use 'Adam', 'AdamW', 'Lion' or 'Adagrad' "
+                          "Adam/AdamW, Lion, Adagrad and SGD (and any elementwise torch optimizer "
+                          "passed to initialize)", "use 'Adam', 'AdamW', 'Lion', 'Adagrad' or 'SGD' "
                           "(or train this model with DeepSpeed)")
     params = read_section("optimizer.params", opt.get("params"), _OPTIMIZER_PARAMS)
     if "max_grad_norm" in params:
@@ -363,6 +365,13 @@ def _optimizer(t: Translation) -> None:
     if low in ("lion", "adagrad"):
         _lion_or_adagrad(t, low, params)
         return
+    if low == "sgd":
+        _sgd(t, params)
+        return
+    for key in ("momentum", "dampening", "nesterov"):
+        if key in params:
+            raise ConfigError(f"optimizer.params.{key}", f"is an SGD parameter, not {name}'s",
+                              "remove it")
     for key in ("lr_decay", "initial_accumulator_value"):
         if key in params:
             raise ConfigError(f"optimizer.params.{key}", f"is an Adagrad parameter, not {name}'s",
@@ -390,6 +399,31 @@ def _optimizer(t: Translation) -> None:
                      ("set_grad_none", "implementation choice")):
         if key in params:
             t.ignore(f"optimizer.params.{key}", why)
+
+
+def _sgd(t: Translation, params: dict[str, Any]) -> None:
+    """SGD: DeepSpeed builds torch.optim.SGD from the params (lr 1e-3, momentum, dampening
+    and weight_decay 0, nesterov off: torch's defaults); offload runs that class on the
+    shards (offload/optim/generic.py)."""
+    takes = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    for key in params:
+        if key in ("foreach", "fused", "set_grad_none", "fp32_optimizer_states"):
+            if key in ("foreach", "fused", "set_grad_none"):
+                t.ignore(f"optimizer.params.{key}", "implementation choice")
+            continue
+        if key in ("maximize", "differentiable"):
+            only_off(f"optimizer.params.{key}", params[key], False,
+                     f"offload's SGD does not take {key}", "remove it")
+            continue
+        if key not in takes:
+            raise ConfigError(f"optimizer.params.{key}", "is not a parameter of SGD",
+                              f"SGD takes: {', '.join(takes)}")
+    t.set("optimizer.type", "SGD", "optimizer.type")
+    t.set("optimizer.lr", 1e-3, "optimizer.params.lr")
+    t.set("optimizer.weight_decay", 0.0, "optimizer.params.weight_decay")
+    for key in takes:
+        if key in params:
+            t.set(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
 
 
 def _lion_or_adagrad(t: Translation, low: str, params: dict[str, Any]) -> None:

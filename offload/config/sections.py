@@ -63,10 +63,12 @@ BufferDtype = Literal["keep", "compute", "fp32", "bf16", "fp16"]
 class OptimizerConfig(Section):
     _SECTION: ClassVar[str] = "optimizer"
 
-    type: Literal["AdamW", "Adam", "Lion", "Adagrad"] = "AdamW"
+    type: Literal["AdamW", "Adam", "Lion", "Adagrad", "SGD"] = "AdamW"
     """AdamW: decoupled weight decay; Adam: L2 added to the gradient; Lion (lr, betas,
     weight_decay: decoupled); Adagrad (lr, lr_decay, weight_decay as L2, eps,
-    initial_accumulator_value). docs/adam.md, "The engine's optimizers"."""
+    initial_accumulator_value); SGD (lr, momentum, dampening, nesterov, weight_decay as L2:
+    torch.optim.SGD on the shards, offload/optim/generic.py). docs/adam.md, "The engine's
+    optimizers"."""
     lr: float = 1e-3
     """Learning rate (before any schedule), per optimizer step."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -83,6 +85,12 @@ class OptimizerConfig(Section):
     """Adagrad only: the step size is lr / (1 + (step - 1) * lr_decay), >= 0."""
     initial_accumulator_value: float = 0.0
     """Adagrad only: the value its sum of squared gradients starts at, >= 0."""
+    momentum: float = 0.0
+    """SGD only: the momentum factor, >= 0 (0: no momentum buffer)."""
+    dampening: float = 0.0
+    """SGD only: dampening for momentum, >= 0."""
+    nesterov: bool = False
+    """SGD only: Nesterov momentum (needs momentum > 0 and dampening 0)."""
 
     def _check(self) -> None:
         require(self.lr >= 0, self._key("lr"), self.lr, "the learning rate must be >= 0",
@@ -103,6 +111,17 @@ class OptimizerConfig(Section):
             require(value == 0 or self.type == "Adagrad", self._key(key), value,
                     f"only Adagrad has {key}, this optimizer is {self.type}",
                     "remove it, or set optimizer.type='Adagrad'")
+        for key in ("momentum", "dampening"):
+            value = getattr(self, key)
+            require(value >= 0, self._key(key), value, f"{key} must be >= 0", "use 0 to disable it")
+            require(value == 0 or self.type == "SGD", self._key(key), value,
+                    f"only SGD has {key}, this optimizer is {self.type}",
+                    "remove it, or set optimizer.type='SGD'")
+        if self.nesterov:
+            require(self.type == "SGD" and self.momentum > 0 and self.dampening == 0,
+                    self._key("nesterov"), self.nesterov,
+                    "Nesterov momentum is SGD's and needs momentum > 0 and dampening 0",
+                    "set optimizer.momentum (e.g. 0.9) and dampening 0, or remove nesterov")
 
 
 SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {

@@ -164,6 +164,8 @@ def resolve_param_groups(
     the accepted forms."""
     kind = oc.type
     all_params = [p for p in model.parameters()]
+    if oc.type in TORCH_TYPES and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _torch_optimizer_of_config(oc, all_params, optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         kind = kind_of_torch_optimizer(optimizer)
     base = base_group(oc) if kind == oc.type else _torch_defaults(optimizer, kind)
@@ -199,6 +201,27 @@ def resolve_param_groups(
             group_of[id(p)] = gi
         groups.append(g)
     return groups, group_of, kind
+
+
+TORCH_TYPES: dict[str, tuple[type, tuple[str, ...]]] = {
+    "SGD": (torch.optim.SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+}
+"""Config `optimizer.type`s that torch's class runs on the shards (the generic path), with
+the config keys it takes."""
+
+
+def _torch_optimizer_of_config(oc: Any, all_params: list, optimizer: Any) -> torch.optim.Optimizer:
+    """A config type of `TORCH_TYPES` as its torch optimizer: over every parameter with the
+    config's hyperparameters, updated by a dict of them, or over the given param groups."""
+    cls, keys = TORCH_TYPES[oc.type]
+    hp = {k: getattr(oc, k) for k in keys}
+    if isinstance(optimizer, Mapping):
+        unknown = set(optimizer) - set(keys)
+        if unknown:
+            raise ValueError(f"optimizer hyperparameters {sorted(unknown)} are not known to "
+                             f"{oc.type}; allowed: {sorted(keys)}")
+        return cls(all_params, **{**hp, **optimizer})
+    return cls(all_params if optimizer is None else list(optimizer), **hp)
 
 
 def _torch_defaults(optimizer: Any, kind: str) -> dict[str, Any]:
