@@ -4,7 +4,8 @@
 everything past it sees only the typed dataclasses of `offload.config.sections`.
 
 Modules, bottom to top: `checks` (errors, value checks, the `Section` base) -> `deepspeed_keys`
-(DeepSpeed's top-level keys by kind) -> `sections` (the dataclasses) -> `deepspeed_zero`,
+(DeepSpeed's top-level keys by kind) -> `monitor_sections` (timeline, logging, monitors) ->
+`sections` (the other dataclasses and the `Config` tree) -> `deepspeed_zero`,
 `deepspeed` (the DeepSpeed translation) -> `load` (`load_config`, files, format detection).
 """
 
