@@ -171,6 +171,33 @@ def test_quantize_picks_the_nearest_code_exactly(signed, avx512_build):
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_is_exact_throughout_every_thresholds_neighbourhood(signed, avx512_build):
+    """The AVX-512 kernels compute codes arithmetically and take the lookup table's answer only
+    for lanes within 2^-10 of a code step ([Note: arithmetic quantiser], code_map.h): that is
+    up to ~1e5 ulps either side of a threshold. Every threshold's neighbourhood at 1, 2, 4 ...
+    2^18 ulps and at random ulp offsets out to 2^18, both signs, so both the looked-up lanes
+    and the arithmetic ones next to them are checked against searchsorted on the thresholds."""
+    t = _thresholds(signed)
+    steps = torch.tensor([0] + [s * 2**k for k in range(19) for s in (1, -1)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    rand = torch.randint(-(2**18), 2**18, (64,), generator=gen, dtype=torch.int32)
+    offsets = torch.cat([steps, rand])
+    mags = t.abs().view(torch.int32)[:, None] + offsets[None, :]  # ulp steps of |t|
+    x = mags.reshape(-1).view(torch.float32).clamp(max=1.0)
+    if signed:
+        x = torch.cat([x, -x])
+    per_block = BLOCK_SIZE - 1  # each block starts with 1.0: scale 1, the kernel sees x itself
+    x = F.pad(x, (0, (-x.numel()) % per_block)).view(-1, per_block)
+    x = torch.cat([torch.ones(x.shape[0], 1), x], dim=1).reshape(-1)
+    want, _ = quantize_blockwise_reference(x, signed)
+    for isa in ("scalar", *supported_isas()):
+        for vbmi in (True, False):
+            avx512_build(vbmi)
+            got, _ = quantize_blockwise(x, signed, isa=isa)
+            assert_bitwise_equal(got, want, f"{isa} (vbmi={vbmi}) vs searchsorted")
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_every_code_round_trips_at_any_scale(signed):
     values = dynamic_map(signed)
     for scale in (1.0, 2.0**-20, 3.7, 1e-30, 1e30):

@@ -26,6 +26,103 @@ using adam_math::float_of;
   throw ValueError(std::string("8-bit Adam code map: ") + what);
 }
 
+// [Note: arithmetic quantiser] (code_map.h): the segment and binade tables, then the proof
+// that code_fast's certain answers equal code_search's for every fp32 y in [-2, 2].
+void build_fast_quant(CodeMap& map) {
+  FastQuant& f = map.fast;
+  const bool is_signed = map.is_signed;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // Segments: 0 the zero code, 1..7 decades 0..6, 8 the code of 1. Offsets count from the zero
+  // code on the positive side: decade i holds 2^i (signed) or 2^(i+1) codes.
+  int first[9], count[9];
+  first[0] = 0;
+  count[0] = 1;
+  for (int seg = 1; seg <= 7; ++seg) {
+    count[seg] = is_signed ? 1 << (seg - 1) : 1 << seg;
+    first[seg] = is_signed ? count[seg] : count[seg] - 1;
+  }
+  first[8] = is_signed ? 128 : 255;
+  count[8] = 1;
+  for (int seg = 0; seg < kFastSegments; ++seg) {  // constant offsets (8 and up: the code of 1)
+    const int off = seg == 0 ? 0 : first[8];
+    f.a[seg] = 0.0f;
+    f.c[seg] = -(static_cast<float>(off) + 0.5f);  // u = off + 0.5: always certain
+    f.top[seg] = off;
+  }
+  for (int seg = 1; seg <= 7; ++seg) {
+    // Decade i = seg - 1 covers 10^(i-6) * [0.1, 1] in `count` equal steps; u = first + j at
+    // the j-th step's end, which is the j-th threshold inside the decade.
+    const double decade = std::pow(10.0, seg - 7);
+    f.a[seg] = static_cast<float>(count[seg] / (0.9 * decade));
+    f.c[seg] = static_cast<float>(count[seg] / 9.0 - first[seg] - kFastDelta);
+    f.top[seg] = first[seg] + count[seg] - 1;
+  }
+  // The magnitude at which segment `seg` (1..8) starts: the threshold below its first offset.
+  const auto boundary = [&](int seg) {
+    const float t = map.thresholds[(is_signed ? 127 : 0) + first[seg] - 1];
+    return std::fabs(t);  // positive side: exactly the threshold
+  };
+  for (int e = 0; e < kFastBinades; ++e) {
+    const float lo = e == 0 ? 0.0f : std::ldexp(1.0f, e + kFastFirstExponent - 127);
+    const float hi = std::ldexp(1.0f, e + 1 + kFastFirstExponent - 127);
+    int seg = 0, inside = 0;
+    float t = kInf;
+    for (int k = 1; k <= 8; ++k) {
+      const float b = boundary(k);
+      if (b <= lo) {
+        seg = k;
+      } else if (b < hi) {
+        t = b;
+        ++inside;
+      }
+    }
+    if (inside > 1) broken_map("two segment boundaries in one binade (arithmetic quantiser)");
+    f.seg_start[e] = seg;
+    f.trans[e] = t;
+  }
+
+  // The proof. code_fast is monotone in y inside a segment and binade (fma, trunc and min are
+  // monotone, a >= 0); check that it does not decrease where either changes...
+  bool unc = false;
+  const auto fast = [&](float y) { return code_fast(map, y, &unc); };
+  for (int e = 0; e < kFastBinades; ++e) {
+    const float binade_start = e == 0 ? 0.0f : std::ldexp(1.0f, e + kFastFirstExponent - 127);
+    for (const float p : {binade_start, f.trans[e]}) {
+      if (!(p > 0.0f && p <= 2.0f)) continue;
+      const float below = std::nextafter(p, 0.0f);
+      if (fast(p) < fast(below) || fast(-p) > fast(-below)) {
+        broken_map("the arithmetic quantiser is not monotone");
+      }
+    }
+  }
+  // ...then it equals code_search at the first and the last certain y of every interval on
+  // which code_search is constant: [-2, t[0]), [t[j-1], t[j]), [t[254], 2].
+  constexpr long kMaxScan = 1L << 20;  // uncertain stretches are ~1e4 ulps at most
+  for (int j = 0; j < 256; ++j) {
+    const float lo = j == 0 ? -2.0f : map.thresholds[j - 1];
+    const float last = j == 255 ? 2.0f : std::nextafter(map.thresholds[j], -kInf);
+    for (int dir = 0; dir < 2; ++dir) {
+      float y = dir == 0 ? lo : last;
+      const float stop = dir == 0 ? last : lo;
+      long steps = 0;
+      for (;;) {
+        const uint32_t q = fast(y);
+        if (!unc) {
+          if (q != static_cast<uint32_t>(j) || code_search(map, y) != static_cast<uint32_t>(j)) {
+            broken_map("the arithmetic quantiser misses a code");
+          }
+          break;
+        }
+        if (y == stop) break;  // uncertain throughout: the lookup decides every y here
+        if (++steps > kMaxScan) {
+          broken_map("an uncertain stretch of the arithmetic quantiser is too wide");
+        }
+        y = std::nextafter(y, dir == 0 ? kInf : -kInf);
+      }
+    }
+  }
+}
+
 // [Note: nearest code] and [Note: code lookup table] (code_map.h), from the sorted values.
 CodeMap build_code_map(const float (&values)[256]) {
   CodeMap map{};
@@ -88,6 +185,8 @@ CodeMap build_code_map(const float (&values)[256]) {
       map.lut[sign * kLutBuckets + b] = q_lo | (offset << 8);
     }
   }
+  map.is_signed = values[0] < 0.0f;
+  build_fast_quant(map);
   return map;
 }
 

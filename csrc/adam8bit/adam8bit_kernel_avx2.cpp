@@ -52,6 +52,7 @@ struct Avx2Lanes {
     return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
   }
   // code_lookup (code_map.h) on 8 lanes, then narrowed to 8 bytes.
+  template <bool kSigned = false>  // map.is_signed, unused: the table holds both signs
   static void quantize(const CodeMap& map, uint8_t* codes, size_t i, V y) {
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));

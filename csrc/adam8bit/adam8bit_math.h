@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "adam/adam_math.h"
 #include "adam8bit/adam8bit.h"
@@ -63,6 +64,7 @@ struct ScalarLanes {
     return b > acc ? b : acc;
   }
   static uint32_t reduce_max(I acc) { return acc; }
+  template <bool kSigned = false>  // map.is_signed, unused: the search reads the map
   static void quantize(const CodeMap& map, uint8_t* codes, size_t i, V y) {
     codes[i] = static_cast<uint8_t>(kLookup ? code_lookup(map, y) : code_search(map, y));
   }
@@ -139,8 +141,17 @@ inline float quantize_block(const CodeMap& map, const float* buf, uint8_t* codes
   const float inv = 1.0f / scale;
   const typename L::V inv_v = L::set1(inv);
   size_t j = 0;
-  for (; j + W <= len; j += W) {
-    L::quantize(map, codes, j, L::mul(L::template load<DType::kF32>(buf, j), inv_v));
+  // The map's signedness as a template argument, so that no lanes type tests it per vector.
+  const auto run = [&](auto is_signed) {
+    for (; j + W <= len; j += W) {
+      L::template quantize<decltype(is_signed)::value>(
+          map, codes, j, L::mul(L::template load<DType::kF32>(buf, j), inv_v));
+    }
+  };
+  if (map.is_signed) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
   }
   for (; j < len; ++j) ScalarLanes<>::quantize(map, codes, j, buf[j] * inv);
   return scale;
