@@ -51,7 +51,7 @@ from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.partition import ParamRecord, UnitPlan, plan_units
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, layout_unit
 
-__all__ = ["Built", "build", "release_storage", "acquire_storage"]
+__all__ = ["Built", "build", "release_storage", "acquire_storage", "zero_unwritten"]
 
 Planned = list[tuple[UnitPlan, UnitLayout, list[ParamRecord]]]
 
@@ -416,6 +416,12 @@ def acquire_storage(t: torch.Tensor, layout: UnitLayout, rank: int, whole: bool)
     slot (a copy, or zeros for a parameter without gradient) but never the alignment gaps
     between slots, which must read as zeros: only those are zeroed. `whole`: zero it all."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
+    zero_unwritten(t, layout, rank, whole)
+
+
+def zero_unwritten(t: torch.Tensor, layout: UnitLayout, rank: int, whole: bool) -> None:
+    """Zero what a world-size-1 reduce never writes into gradient shard `t`: the alignment
+    gaps between slots (`whole`: all of it)."""
     if whole:
         t.zero_()
         return

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from offload.optim.kinds import HYPERPARAMS
-from offload.runtime.build import release_storage
+from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import StepCounters
@@ -186,7 +186,7 @@ class StepPolicy:
         self.updated.add(unit.index)
         self.pass_updates += 1
         if self.transient_grads:
-            release_storage(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
+            release_grad(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
         tl.count("optimizer", t1 - t0)
         tl.count("optimizer_in_backward", t1 - t0)
         if self.nvme is not None:
