@@ -215,3 +215,18 @@ def test_checkpoints_load_across_placements(tmp_path, save_at, load_at):
     second.close()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_a_pinned_pool_smaller_than_three_units_says_the_pipeline_will_not_overlap(tmp_path, caplog):
+    import logging
+
+    def init(budget):
+        cfg = tier_config(tmp_path, "nvme", "nvme", "bf16", budget=budget)
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            caplog.clear()
+            offload.initialize(TinyGPT(), cfg).close()
+        return caplog.text
+
+    small = init(1 << 18)  # about 1.6 units of TinyGPT's largest working set
+    assert "will not overlap" in small and "three units" in small, small
+    assert "will not overlap" not in init(1 << 24)  # the control: room for three
