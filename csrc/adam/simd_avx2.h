@@ -92,6 +92,28 @@ inline void store16(void* base, size_t i, __m256 a, __m256 b) {
   }
 }
 
+// The fp32 arithmetic every kernel family's AVX2 lanes share (csrc/optim's one-state lanes,
+// csrc/adam8bit's 8-bit lanes derive from it and add their own operations).
+struct Avx2Arith {
+  using V = __m256;
+  static constexpr size_t kWidth = 8;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <DType D>
+  static V load(const void* base, size_t i) {
+    return load8<D>(base, i);
+  }
+  template <DType D>
+  static void store(void* base, size_t i, V v) {
+    store8<D>(base, i, v);
+  }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
 }  // namespace
 }  // namespace offload
 

@@ -15,24 +15,8 @@
 namespace offload {
 namespace {
 
-struct Avx2Lanes {
-  using V = __m256;
+struct Avx2Lanes : Avx2Arith {
   using I = __m256i;
-  static constexpr size_t kWidth = 8;
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  template <DType D>
-  static V load(const void* base, size_t i) {
-    return load8<D>(base, i);
-  }
-  template <DType D>
-  static void store(void* base, size_t i, V v) {
-    store8<D>(base, i, v);
-  }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm256_div_ps(a, b); }
-  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V dequant(const float* values, const uint8_t* codes, size_t i) {
     const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
     return _mm256_i32gather_ps(values, _mm256_cvtepu8_epi32(c), 4);

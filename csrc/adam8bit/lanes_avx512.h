@@ -20,24 +20,8 @@ namespace offload {
 // Internal linkage: see [Note: one copy per ISA] in csrc/adam/adam_math.h.
 namespace {
 
-struct Avx512Lanes {
-  using V = __m512;
+struct Avx512Lanes : Avx512Arith {
   using I = __m512i;
-  static constexpr size_t kWidth = 16;
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  template <DType D>
-  static V load(const void* base, size_t i) {
-    return load16<D>(base, i);
-  }
-  template <DType D>
-  static void store(void* base, size_t i, V v) {
-    store16<D>(base, i, v);
-  }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm512_div_ps(a, b); }
-  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V dequant(const float* values, const uint8_t* codes, size_t i) {
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(c), values, 4);

@@ -14,29 +14,13 @@
 namespace offload {
 namespace {
 
-struct Avx2Lanes {
-  using V = __m256;
-  static constexpr size_t kWidth = 8;
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  template <DType D>
-  static V load(const void* base, size_t i) {
-    return load8<D>(base, i);
-  }
-  template <DType D>
-  static void store(void* base, size_t i, V v) {
-    store8<D>(base, i, v);
-  }
+struct Avx2Lanes : Avx2Arith {
   // Elements i..i+7 from a, i+8..i+15 from b; bf16 narrowed in one go ([Note: bf16
   // rounding on AVX2], csrc/adam/simd_avx2.h).
   template <DType D>
   static void store2(void* base, size_t i, V a, V b) {
     store16<D>(base, i, a, b);
   }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm256_div_ps(a, b); }
-  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   // copysign(1, a) where a is non-zero and ordered, else +0: ScalarLanes::sign's values.
   static V sign(V a) {
     const V nonzero = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_OQ);

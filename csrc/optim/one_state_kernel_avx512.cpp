@@ -14,28 +14,12 @@
 namespace offload {
 namespace {
 
-struct Avx512Lanes {
-  using V = __m512;
-  static constexpr size_t kWidth = 16;
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  template <DType D>
-  static V load(const void* base, size_t i) {
-    return load16<D>(base, i);
-  }
-  template <DType D>
-  static void store(void* base, size_t i, V v) {
-    store16<D>(base, i, v);
-  }
+struct Avx512Lanes : Avx512Arith {
   template <DType D>
   static void store2(void* base, size_t i, V a, V b) {
     store16<D>(base, i, a);
     store16<D>(base, i + kWidth, b);
   }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm512_div_ps(a, b); }
-  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   // copysign(1, a) where a is non-zero and ordered, else +0: ScalarLanes::sign's values.
   static V sign(V a) {
     const __mmask16 nonzero = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ);
