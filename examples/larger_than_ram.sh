@@ -37,9 +37,10 @@ CLIP="${CLIP:-0}"
 RAM="${RAM:-0}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" "$NVME"
-RAM_BYTES=$(cd "$HERE/.." && "$PY" -c 'import sys; from offload.sizes import parse_bytes; print(parse_bytes(sys.argv[1]))' "$RAM")
+bytes_of() { (cd "$HERE/.." && "$PY" -c 'import sys; from offload.sizes import parse_bytes; print(parse_bytes(sys.argv[1]))' "$1"); }
+RAM_BYTES=$(bytes_of "$RAM")
 if [[ -z "$RSS_GIVEN" && "$RAM_BYTES" != 0 ]]; then  # the default budget grows by RAM
-    RSS_BUDGET=$(( $(cd "$HERE/.." && "$PY" -c 'import sys; from offload.sizes import parse_bytes; print(parse_bytes(sys.argv[1]))' "$RSS_BUDGET") + RAM_BYTES ))
+    RSS_BUDGET=$(( $(bytes_of "$RSS_BUDGET") + RAM_BYTES ))
 fi
 RAM_FLAGS=()
 [[ "$RAM_BYTES" != 0 ]] && RAM_FLAGS=(--ram-budget "$RAM_BYTES")

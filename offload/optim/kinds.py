@@ -127,10 +127,7 @@ def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> str:
     elif name == "Lion" and type(optimizer).__module__.startswith("lion_pytorch"):
         kind = "Lion"
     else:
-        # Any other: the generic path, when its update is elementwise (raises why not).
-        kind, names, keys = generic.register(optimizer)
-        STATE_NAMES[kind], HYPERPARAMS[kind] = names, keys
-        return kind
+        return _generic_kind(optimizer)  # the generic path, if elementwise (raises why not)
     unsupported = {"Adam": ("amsgrad", "maximize", "capturable", "differentiable"),
                    "AdamW": ("amsgrad", "maximize", "capturable", "differentiable"),
                    "Adagrad": ("maximize", "differentiable"),
@@ -142,15 +139,20 @@ def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> str:
             else:
                 on = bool(g.get(flag, False))
             if on and kind in ("Adam", "AdamW", "Adagrad"):
-                # torch's own class runs it: the generic path (Adam's amsgrad, maximize)
-                generic_kind, names, keys = generic.register(optimizer)
-                STATE_NAMES[generic_kind], HYPERPARAMS[generic_kind] = names, keys
-                return generic_kind
+                return _generic_kind(optimizer)  # torch's class runs it (amsgrad, maximize)
             if on:
                 raise NotImplementedError(
                     f"optimizer={name} param group {gi} sets {flag}=True, which the engine's CPU "
                     f"{kind} does not implement; remove it"
                 )
+    return kind
+
+
+def _generic_kind(optimizer: torch.optim.Optimizer) -> str:
+    """Register `optimizer`'s class on the generic path (offload/optim/generic.py) and make
+    its state names and hyperparameters known here; its kind name."""
+    kind, names, keys = generic.register(optimizer)
+    STATE_NAMES[kind], HYPERPARAMS[kind] = names, keys
     return kind
 
 

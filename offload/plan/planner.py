@@ -40,8 +40,8 @@ from offload.plan.tier_bytes import (
     spec_from_model,
     working_bytes,
 )
-from offload.sizes import align_up, format_bytes, format_count, parse_count
-from offload.storage.placement import Placement, choose_placement
+from offload.sizes import format_bytes, format_count, parse_count
+from offload.storage.placement import Placement, choose_placement, unit_bytes
 
 __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS"]
 
@@ -333,11 +333,9 @@ def _ram_split(spec: Any, best: PlacementEstimate, m: Machine, p_bytes: int,
     budget = max(0, (host_cap - need) // max(1, m.local_ranks))
     if budget == 0:
         return 0, None, 0
-    ws, k = m.world_size, spec.state_tensors
-    param_bytes = [align_up(u.layout.shard_numel * p_bytes) for u in spec.units]
-    state_bytes = [max(align_up(u.layout.shard_master_numel(r) * 4)
-                       + k * align_up(u.layout.shard_optimized_numel(r) * m_bytes) for r in range(ws))
-                   for u in spec.units]
+    names = tuple(f"state{i}" for i in range(spec.state_tensors))  # only their count matters
+    param_bytes, state_bytes = unit_bytes([u.layout for u in spec.units], p_bytes, m_bytes, names,
+                                          m.world_size)
     param_nvme, state_nvme = best.param_tier == "nvme", best.optimizer_tier == "nvme"
     split = choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
     every = Placement.uniform(len(spec.units), param_nvme, state_nvme)

@@ -45,7 +45,7 @@ from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
 from offload.storage.nvme_tier import make_param_tier
-from offload.storage.placement import Placement, choose_placement
+from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
@@ -212,10 +212,8 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype
     n = len(planned)
     if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
         return Placement.uniform(n, param_nvme, state_nvme)
-    param_bytes = [align_up(lay.shard_numel * dtype.itemsize) for _, lay, _ in planned]
-    state_bytes = [max(state_layout(lay.shard_master_numel(r), lay.shard_optimized_numel(r),
-                                    mdtype.itemsize, names).nbytes for r in range(pg.world_size))
-                   for _, lay, _ in planned]
+    param_bytes, state_bytes = unit_bytes([lay for _, lay, _ in planned], dtype.itemsize,
+                                          mdtype.itemsize, names, pg.world_size)
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
