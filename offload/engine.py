@@ -143,8 +143,7 @@ class Engine:
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,
             rank=self.rank, param_tier=self.param_tier, threads=config.cpu_adam_threads,
-            store=built.optimizer_states, kind=built.kind,
-        )
+            store=built.optimizer_states, kind=built.kind, moments=config.optimizer.moments_dtype)
         tl = config.timeline
         self.timeline = Timeline(tl.enabled, tl.path,
                                  io_stats=None if self.nvme is None else self.nvme.stats)

@@ -337,6 +337,28 @@ def test_conflicts_between_the_config_and_the_arguments_are_named(tmp_path) -> N
     assert "adafactor" in msg and "adamw_torch" in msg
 
 
+def test_adamw_8bit_runs_the_engines_8bit_moments(tmp_path) -> None:
+    """`optim="adamw_8bit"` (and bitsandbytes'/torchao's names) trains with the engine's
+    8-bit moments, without bitsandbytes; the same run with "adamw_torch" keeps fp32 ones."""
+    from offload.integrations.hf import OffloadTrainer
+
+    runs = {}
+    for optim in ("adamw_8bit", "adamw_torch"):
+        t = OffloadTrainer(model=tiny_model("llama"), args=training_args(str(tmp_path), optim=optim),
+                           train_dataset=token_data(), offload_config={"compute_device": "cpu"})
+        t.train()
+        runs[optim] = (t.engine.optimizer.moments, {s.moments["exp_avg"].dtype for s in t.engine.states
+                                                    if s.moments}, curves(t)["loss"])
+        t.engine.close()
+    assert runs["adamw_8bit"][:2] == ("8bit", {torch.uint8})
+    assert runs["adamw_torch"][:2] == ("fp32", {torch.float32})
+    # the same data and first loss (logged before any update); the curves then part: the
+    # 8-bit state is what the steps used (its accuracy: tests/test_adam8bit.py, test_engine_8bit.py)
+    loss8, loss32 = runs["adamw_8bit"][2], runs["adamw_torch"][2]
+    assert loss8[0] == loss32[0] and loss8[2:] != loss32[2:]
+    assert all(math.isfinite(v) for v in loss8)
+
+
 def test_args_deepspeed_is_read_as_the_config(tmp_path) -> None:
     pytest.importorskip("deepspeed", reason="TrainingArguments(deepspeed=...) itself needs DeepSpeed "
                         "installed (transformers builds its DeepSpeed plugin there)")

@@ -25,6 +25,7 @@ import offload
 import offload.storage.nvme
 from offload.config import OffloadConfig
 from offload.storage.optim_state import state_layout
+from offload.storage.state_layout import ADAM_STATE, uniform_specs
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
 from tests.fsutil import mounted_tmpfs
 from tests.test_engine import MODELS, engine_train, fp32_bound, initial_state, lowp_bound, make_config
@@ -214,7 +215,7 @@ def test_optimizer_state_read_waits_for_the_write_in_flight(tmp_path, slow_io):
     ctx.aio.close()
     ctx.aio = _SlowAIO(4096, 4, 2)
     try:
-        states = NVMeOptimizerStates(ctx, [(4096, 3000), (2048, 0)], torch.float32)
+        states = NVMeOptimizerStates(ctx, [(4096, 3000), (2048, 0)])
         with pytest.raises(RuntimeError, match="never written"):
             with states.open(0):
                 pass
@@ -714,12 +715,12 @@ def test_a_model_whose_nvme_engine_was_closed_says_how_to_get_its_weights_back(t
 
 
 def test_state_layout_puts_each_tensor_on_a_page_and_moves_in_whole_pages():
-    lay = state_layout(2048, 1000, 4)
+    lay = state_layout(2048, 1000, uniform_specs(ADAM_STATE, torch.float32))
     assert (lay.exp_avg_offset, lay.exp_avg_sq_offset, lay.nbytes) == (8192, 12288, 16384)
-    lay = state_layout(4096, 0, 2)
+    lay = state_layout(4096, 0, uniform_specs(ADAM_STATE, torch.bfloat16))
     assert (lay.exp_avg_offset, lay.exp_avg_sq_offset, lay.nbytes) == (16384, 16384, 16384)
     with pytest.raises(ValueError):
-        state_layout(-1, 0, 4)
+        state_layout(-1, 0)
 
 
 def test_held_files_read_a_deleted_file_and_close_with_the_last_reference(tmp_path):

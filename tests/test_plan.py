@@ -88,7 +88,7 @@ def train_one_step(engine, rank: int = 0, world_size: int = 1) -> None:
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("dtype,moments", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"),
-                                           ("fp16", "fp32")])
+                                           ("fp16", "fp32"), ("bf16", "8bit")])
 @pytest.mark.parametrize("param_tier", ["device", "cpu"])
 def test_plan_equals_engine_memory_bytes(model, dtype, moments, param_tier):
     cfg = config(dtype, moments, param_tier)

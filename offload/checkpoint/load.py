@@ -126,6 +126,8 @@ def load_units(
     records = manifest.records_by_rank(path, saved)
     pending: dict[int, dict[str, torch.Tensor]] = {}
     rank = sharded.rank
+    per = {spec.name: spec.per for spec in sharded.optimizer.specs}
+    """Flat elements per element of each state tensor (8-bit moments' per-block scales)."""
 
     # Where each unit's chunks land ([Note: load destinations]).
     in_place = state_in_host_memory(sharded)
@@ -143,7 +145,7 @@ def load_units(
                 with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
                     dest = {name: live[name] for name in ("master", *sharded.optimizer.state_names)}
-                _check_live(unit, dest, unit.master_numel, n_opt)
+                _check_live(unit, dest, unit.master_numel, n_opt, sharded.optimizer.specs)
             else:
                 t = sharded.optimizer.begin_overwrite(unit.index)
                 if t is None:
@@ -159,7 +161,8 @@ def load_units(
             lo = rank * layout.shard_numel
             jobs: list[ReadJob] = []
             for name, t in dest.items():
-                jobs += assemble_jobs(records, old, name, lo, t, saved["chunk_bytes"], unit.index)
+                jobs += assemble_jobs(records, old, name, lo, t, saved["chunk_bytes"], unit.index,
+                                      per=per.get(name, 1))
             if unit.frozen_numel:
                 # Frozen values go to the parameter shard: straight into it when it is host
                 # memory, else into a buffer `publish` stores. A version-1 checkpoint holds
@@ -209,7 +212,7 @@ def _source_in_place(
     lay = store.layouts[unit.index]
     offsets = {}
     tensors = [("master", torch.float32, lay.master_numel)]
-    tensors += [(name, store.moment_dtype, lay.moment_numel) for name in lay.names]
+    tensors += [(spec.name, spec.dtype, lay.numel_of(spec)) for spec in lay.specs]
     for name, dtype, numel in tensors:
         rec = by_key.get((old["index"], name))
         if rec is None or rec["numel"] != numel or rec["dtype"] != name_of(dtype):
@@ -254,9 +257,11 @@ def state_in_host_memory(sharded: ShardedState) -> bool:
     return sharded.optimizer.store.resident
 
 
-def _check_live(unit: Any, dest: dict[str, torch.Tensor], n_master: int, n_opt: int) -> None:
+def _check_live(unit: Any, dest: dict[str, torch.Tensor], n_master: int, n_opt: int,
+                specs: Any) -> None:
+    numel = {spec.name: spec.numel(n_opt) for spec in specs}
     for name, t in dest.items():
-        want = n_master if name == "master" else n_opt
+        want = n_master if name == "master" else numel[name]
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != want:
             raise RuntimeError(
                 f"unit {unit.name or '<root>'} {name}: the host optimizer state is not a "

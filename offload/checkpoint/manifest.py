@@ -84,10 +84,8 @@ def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[st
     """The manifest of a checkpoint of `sharded` with tag `tag`, whose rank files are
     described by `ranks` (one entry per rank, as `save` gathers them)."""
     cfg = sharded.config
-    from offload.optim.sharded import moments_dtype
-
     master = torch.float32  # always: see docs/engine.md, Precision
-    moments = moments_dtype(cfg.optimizer.moments_dtype)
+    moments = sharded.optimizer.specs[0].dtype if sharded.optimizer.specs else master
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -103,7 +101,8 @@ def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[st
         },
         "param_groups": len(sharded.optimizer.param_groups),
         "optimizer": {"type": sharded.optimizer.kind,
-                      "state": list(sharded.optimizer.state_names)},
+                      "state": list(sharded.optimizer.state_names),
+                      "moments": sharded.optimizer.moments},
         "global_steps": sharded.counters.global_steps,
         "config": cfg.to_dict(),
         "model": model_signature(sharded),
@@ -209,6 +208,8 @@ def check_compatible(saved: dict[str, Any], sharded: ShardedState) -> None:
             f"checkpoint units {[u['name'] for u in saved['model']['units']]} differ from this "
             f"engine's {[u['name'] for u in mine['units']]}: use the same unit_modules setting"
         )
+    # before the offsets: 8-bit moments lay parameters out on 256-element blocks
+    check_optimizer(saved, sharded.optimizer)
     version_1 = {u["name"] for u in saved["model"]["units"] if "master_end" not in u}
     for name, (unit, s) in new.items():
         ounit, o = old[name]
@@ -229,7 +230,6 @@ def check_compatible(saved: dict[str, Any], sharded: ShardedState) -> None:
                 f"{s['offset']} in group {s['group']} here: build the optimizer param groups "
                 "the way the saving run did"
             )
-    check_optimizer(saved, sharded.optimizer)
     if saved["param_groups"] != len(sharded.optimizer.param_groups):
         raise ValueError(
             f"checkpoint has {saved['param_groups']} optimizer param groups, this engine "
@@ -251,6 +251,16 @@ def check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
     """A checkpoint's optimizer state is another optimizer's (Lion's exp_avg is not Adam's,
     Adagrad's sum is no moment): refused, naming both. Adam and AdamW share their state."""
     kind, names = saved_optimizer(saved)
+    moments = saved.get("optimizer", {}).get("moments", "fp32")
+    if names != tuple(optimizer.state_names) and "8bit" in (moments, optimizer.moments):
+        raise ValueError(
+            f"checkpoint {saved.get('tag')!r} holds {kind} state with optimizer.moments_dtype="
+            f"{moments!r}, this engine keeps {optimizer.moments!r}: 8-bit moments (codes and "
+            "per-block scales, parameters laid out on 256-element blocks) do not convert to or "
+            f"from float moments; set optimizer.moments_dtype={moments!r} to resume it, or carry "
+            "over only its weights: python -m offload.checkpoint consolidate CKPT OUT, then "
+            "engine.load_full_state_dict"
+        )
     if names != tuple(optimizer.state_names):
         raise ValueError(
             f"checkpoint {saved.get('tag')!r} holds the state of a {kind} optimizer "

@@ -286,16 +286,13 @@ class _UnitStates:
 def _shards_bytes(sharded: ShardedState) -> int:
     """The size of this rank's shard file: per unit, the master, the state tensors and the
     frozen suffix, each rounded up to 4 KiB (ShardWriter's layout)."""
-    from offload.optim.sharded import moments_dtype
     from offload.sizes import align_up
 
-    m_size = moments_dtype(sharded.config.optimizer.moments_dtype).itemsize
     total = 0
     for unit in sharded.units:
-        layout = unit.layout
+        n_opt = unit.layout.shard_optimized_numel(sharded.rank)
         total += align_up(unit.master_numel * 4)
-        total += len(sharded.optimizer.state_names) * align_up(
-            layout.shard_optimized_numel(sharded.rank) * m_size)
+        total += sum(align_up(s.numel(n_opt) * s.dtype.itemsize) for s in sharded.optimizer.specs)
         total += align_up(unit.frozen_numel * unit.dtype.itemsize)
     return total
 

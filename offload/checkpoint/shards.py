@@ -63,16 +63,17 @@ DEFAULT_WORKERS = 2
 checksums it, so staging copies and CRCs of different chunks run side by side, off the
 caller's thread."""
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 """The dtypes a shard file holds: the fp32 master, moments in fp32 or bf16
-(`optimizer.moments_dtype`); float16 is accepted too. A record names its dtype as
+(`optimizer.moments_dtype`), 8-bit moments' uint8 codes (their scales are fp32); float16 is
+accepted too. A record names its dtype as
 `offload.dtypes.name_of` does ('bfloat16') and is read back with `from_name`."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """A record's name for `dtype`; only `STATE_DTYPES` are stored."""
     if dtype not in STATE_DTYPES:
-        raise ValueError(f"checkpoints store float32/bfloat16/float16 state, got {dtype}")
+        raise ValueError(f"checkpoints store float32/bfloat16/float16/uint8 state, got {dtype}")
     return name_of(dtype)
 
 
@@ -434,7 +435,7 @@ def chunk_jobs(
 
 def assemble_jobs(
     records: list[tuple[str, dict]], saved_unit: dict[str, Any], name: str, lo: int,
-    dest: torch.Tensor, chunk_bytes: int, tag: Any = None,
+    dest: torch.Tensor, chunk_bytes: int, tag: Any = None, per: int = 1,
 ) -> list[ReadJob]:
     """Jobs that fill `dest` with the flat elements [lo, lo + dest.numel()) of the saved
     unit's tensor `name` ('master', 'exp_avg', 'exp_avg_sq', 'frozen'), from every saved rank whose
@@ -444,9 +445,14 @@ def assemble_jobs(
     `records` is `manifest.records_by_rank`'s list, `saved_unit` the manifest's entry for
     the unit. Elements no saved rank holds (the padding of a larger layout, moments past
     the optimized prefix) are zeroed here, as in a fresh engine, since `dest` may start
-    uninitialised; the rest arrive when the jobs run (`ShardReader.run`)."""
+    uninitialised; the rest arrive when the jobs run (`ShardReader.run`).
+
+    `per`: each element of the tensor stands for `per` flat elements (a per-block scale,
+    `offload.storage.state_layout.StateSpec.per`); `lo` is then in flat elements, a multiple
+    of `per`, as every shard boundary is."""
+    lo //= per
     hi = lo + dest.numel()
-    saved_shard = saved_unit["shard_numel"]
+    saved_shard = saved_unit["shard_numel"] // per
     jobs: list[ReadJob] = []
     spans = []
     for r, (path, by_key) in enumerate(records):

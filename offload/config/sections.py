@@ -86,9 +86,11 @@ class OptimizerConfig(Section):
     """Added to the denominator's square root (torch's placement), >= 0."""
     weight_decay: float = 0.01
     """Per-step decay coefficient (decoupled for AdamW, L2 for Adam), >= 0."""
-    moments_dtype: Literal["fp32", "bf16"] = "fp32"
+    moments_dtype: Literal["fp32", "bf16", "8bit"] = "fp32"
     """The optimizer state's storage dtype (Adam's moments, Lion's momentum, Adagrad's sum);
-    bf16 halves their memory and I/O (opt-in)."""
+    bf16 halves their memory and I/O (opt-in). "8bit" (Adam and AdamW): each moment as a
+    one-byte code plus an fp32 scale per block of 256, bitsandbytes' and torchao's blockwise
+    8-bit definition (offload/optim/adam8bit.py): 2.03 B/param for both moments instead of 8."""
     lr_decay: float = 0.0
     """Adagrad only: the step size is lr / (1 + (step - 1) * lr_decay), >= 0."""
     initial_accumulator_value: float = 0.0
@@ -112,6 +114,10 @@ class OptimizerConfig(Section):
                 "use a small positive value such as 1e-8")
         require(self.weight_decay >= 0, self._key("weight_decay"), self.weight_decay,
                 "weight decay must be >= 0", "use 0 to disable weight decay")
+        require(self.moments_dtype != "8bit" or self.type in ("Adam", "AdamW"),
+                self._key("moments_dtype"), self.moments_dtype,
+                f"8-bit moments are Adam's; {self.type} keeps its state in fp32 or bf16",
+                "set moments_dtype to 'fp32' or 'bf16', or optimizer.type to 'AdamW'")
         for key in ("lr_decay", "initial_accumulator_value"):
             value = getattr(self, key)
             require(value >= 0, self._key(key), value, f"{key} must be >= 0",

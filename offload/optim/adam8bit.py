@@ -64,6 +64,7 @@ __all__ = [
     "num_blocks",
     "quantize_blockwise",
     "quantize_blockwise_reference",
+    "zero_code",
 ]
 
 BLOCK_SIZE = 256
@@ -115,9 +116,9 @@ class Moments8bit(NamedTuple):
         """Zero moments (what Adam starts from): the zero codes and zero scales."""
         blocks = num_blocks(numel)
         return Moments8bit(
-            torch.full((numel,), _zero_code(True), dtype=torch.uint8, pin_memory=pin_memory),
+            torch.full((numel,), zero_code(True), dtype=torch.uint8, pin_memory=pin_memory),
             torch.zeros(blocks, dtype=torch.float32, pin_memory=pin_memory),
-            torch.full((numel,), _zero_code(False), dtype=torch.uint8, pin_memory=pin_memory),
+            torch.full((numel,), zero_code(False), dtype=torch.uint8, pin_memory=pin_memory),
             torch.zeros(blocks, dtype=torch.float32, pin_memory=pin_memory),
         )
 
@@ -125,7 +126,8 @@ class Moments8bit(NamedTuple):
 # -- the quantiser ------------------------------------------------------------------------
 
 
-def _zero_code(signed: bool) -> int:
+def zero_code(signed: bool) -> int:
+    """The code whose value is 0: what a fresh moment holds (exp_avg: 127, exp_avg_sq: 0)."""
     return 127 if signed else 0
 
 
@@ -157,7 +159,7 @@ def quantize_blockwise_reference(x: torch.Tensor, signed: bool) -> tuple[torch.T
                       torch.div(torch.ones_like(absmax), torch.where(special, 1.0, absmax)))
     y = blocks * inv[:, None]
     codes = torch.searchsorted(_thresholds(signed), y.reshape(-1), right=True)  # #{t <= y}
-    codes = torch.where(special.repeat_interleave(BLOCK_SIZE), _zero_code(signed), codes)
+    codes = torch.where(special.repeat_interleave(BLOCK_SIZE), zero_code(signed), codes)
     return codes[:n].to(torch.uint8).view(x.shape), scales
 
 

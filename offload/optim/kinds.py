@@ -15,9 +15,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from offload.dtypes import MOMENT_DTYPES
 from offload.optim import generic
+from offload.optim.adam8bit import BLOCK_SIZE, adam8bit_step_flat, zero_code
 from offload.optim.functional import adam_step_flat
 from offload.optim.one_state import adagrad_step_flat, lion_step_flat
+from offload.storage.state_layout import StateSpec, uniform_specs
 
 KINDS = ("Adam", "AdamW", "Lion", "Adagrad")
 """Every `optimizer.type` the engine runs (config/sections.py `OptimizerConfig.type`)."""
@@ -53,6 +56,33 @@ def state_names(kind: str) -> tuple[str, ...]:
                          ) from None
 
 
+MOMENT_FORMATS = ("fp32", "bf16", "8bit")
+"""`optimizer.moments_dtype`: the state tensors in fp32 or bf16, or Adam's moments as
+blockwise 8-bit codes with a per-block scale (offload/optim/adam8bit.py)."""
+
+
+def state_specs(kind: str, moments: str = "fp32") -> tuple[StateSpec, ...]:
+    """The state tensors one unit of `kind` keeps beside its fp32 master, in slot order, for
+    `optimizer.moments_dtype` `moments`: `STATE_NAMES` in that dtype, or with "8bit" (Adam
+    and AdamW only) the two moments as uint8 codes (torch's names: `exp_avg`, `exp_avg_sq`)
+    followed by their per-block fp32 scales (`exp_avg_scale`, `exp_avg_sq_scale`, one per
+    `BLOCK_SIZE` elements)."""
+    names = state_names(kind)
+    if moments == "8bit":
+        if kind not in ("Adam", "AdamW"):
+            raise ValueError(
+                f"optimizer.moments_dtype='8bit' is blockwise 8-bit Adam moments; the engine's "
+                f"{kind} keeps its state ({', '.join(names)}) in 'fp32' or 'bf16': set one of those"
+            )
+        return (StateSpec("exp_avg", torch.uint8, zero=float(zero_code(True))),
+                StateSpec("exp_avg_sq", torch.uint8, zero=float(zero_code(False))),
+                StateSpec("exp_avg_scale", torch.float32, BLOCK_SIZE),
+                StateSpec("exp_avg_sq_scale", torch.float32, BLOCK_SIZE))
+    if moments not in MOMENT_DTYPES:
+        raise ValueError(f"optimizer.moments_dtype={moments!r}; allowed: {', '.join(MOMENT_FORMATS)}")
+    return uniform_specs(names, MOMENT_DTYPES[moments])
+
+
 def base_group(oc: Any) -> dict[str, Any]:
     """The default param group of `oc` (an `OptimizerConfig`): its type's hyperparameters."""
     out = {}
@@ -62,17 +92,32 @@ def base_group(oc: Any) -> dict[str, Any]:
     return out
 
 
-def initial_value(name: str, group: dict[str, Any]) -> float:
-    """What state tensor `name` starts at for parameters of `group` (torch's choice):
-    Adagrad's `sum` at initial_accumulator_value, every other at zero."""
-    return float(group.get("initial_accumulator_value", 0.0)) if name == "sum" else 0.0
+def initial_value(spec: StateSpec, group: dict[str, Any]) -> float:
+    """What state tensor `spec` starts at for parameters of `group` (torch's choice):
+    Adagrad's `sum` at initial_accumulator_value, every other at zero (`spec.zero`)."""
+    return float(group.get("initial_accumulator_value", 0.0)) if spec.name == "sum" else spec.zero
 
 
 def update_fn(kind: str, *, decoupled: bool, threads: int = 0,
-              adam_fn: Optional[Callable[..., None]] = None) -> UpdateFn:
-    """The update one run of `kind` calls. `threads` > 0 is passed to the kernel
-    (config.cpu_adam_threads); `adam_fn` replaces Adam's kernel (tests, benchmarks)."""
+              adam_fn: Optional[Callable[..., None]] = None, moments: str = "fp32") -> UpdateFn:
+    """The update one run of `kind` calls, over its `state_specs(kind, moments)` in order.
+    `threads` > 0 is passed to the kernel (config.cpu_adam_threads); `adam_fn` replaces
+    Adam's kernel (tests, benchmarks)."""
     extra = {"threads": threads} if threads > 0 and adam_fn is None else {}
+    if kind in ("Adam", "AdamW") and moments == "8bit":
+
+        def adam8bit_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
+                            step: int, group: dict[str, Any], grad_scale: float,
+                            out_lowp: Optional[torch.Tensor]) -> None:
+            beta1, beta2 = group["betas"]
+            m, v, m_scale, v_scale = states
+            (adam_fn or adam8bit_step_flat)(
+                master, grad, m, m_scale, v, v_scale, step=step, lr=float(group["lr"]),
+                beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
+                grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
+
+        return adam8bit_update
     if kind in ("Adam", "AdamW"):
         adam = adam_fn or adam_step_flat
 

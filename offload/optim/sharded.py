@@ -27,8 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from offload.dtypes import MOMENT_DTYPES
-from offload.optim.kinds import initial_value, resolve_param_groups, state_names, update_fn
+from offload.optim.kinds import initial_value, resolve_param_groups, state_specs, update_fn
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.tiers import Tier, wait
@@ -144,6 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         adam_fn: Optional[Callable[..., None]] = None,
         store: Any = None,
         kind: Optional[str] = None,
+        moments: str = "fp32",
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
         self._groups_fixed = False  # torch's __init__ adds the engine's groups itself
@@ -156,8 +156,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (`store.resident`) or a swap file on NVMe."""
         self.kind = kind or ("AdamW" if decoupled_weight_decay else "Adam")
         """The optimizer type (`offload.optim.kinds.KINDS`)."""
-        self.state_names = state_names(self.kind)
-        """Its state tensors per unit, beside the master (torch's names)."""
+        self.moments = moments
+        """`optimizer.moments_dtype`: "fp32", "bf16" or "8bit" (Adam's blockwise 8-bit moments)."""
+        self.specs = state_specs(self.kind, moments)
+        """Its state tensors per unit, beside the master (`offload.optim.kinds.state_specs`)."""
+        self.state_names = tuple(spec.name for spec in self.specs)
+        """Their names (torch's; 8-bit adds the per-block scales)."""
         self.decoupled_weight_decay = self.kind == "AdamW"
         self.rank = rank
         self.param_tier = param_tier
@@ -174,14 +178,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _adam(self) -> Callable[..., None]:
         """The update one run calls (`offload.optim.kinds.update_fn`)."""
         return update_fn(self.kind, decoupled=self.decoupled_weight_decay,
-                         threads=self._threads, adam_fn=self._adam_fn)
+                         threads=self._threads, adam_fn=self._adam_fn, moments=self.moments)
 
     @torch.no_grad()
     def _fill_initial_state(self) -> None:
-        """State tensors that do not start at zero (Adagrad's sum at a group's
+        """State tensors that do not start at their zero (Adagrad's sum at a group's
         initial_accumulator_value): filled over each group's elements once, at build."""
-        starts = [[initial_value(n, g) for n in self.state_names] for g in self.param_groups]
-        if not any(v for row in starts for v in row):
+        starts = [[initial_value(spec, g) for spec in self.specs] for g in self.param_groups]
+        if all(v == spec.zero for row in starts for v, spec in zip(row, self.specs)):
             return
         for i in self._work:
             st = self.unit_states[i]
@@ -189,8 +193,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             runs = update_runs(st.layout, self.rank, [True] * len(slots), [1] * len(slots))
             with self.store.open(st.unit.index, write=True) as t:
                 for run in runs:
-                    for name, value in zip(self.state_names, starts[run.group]):
-                        t.moments[name][run.start : run.end].fill_(value)
+                    for spec, value in zip(self.specs, starts[run.group]):
+                        spec.part(t.moments[spec.name], run.start, run.end).fill_(value)
 
     @torch.no_grad()
     def step(
@@ -248,7 +252,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for run in runs:
             sl = slice(run.start, run.end)
             adam(
-                t.master[sl], st.grad[sl], [t.moments[n][sl] for n in self.state_names],
+                t.master[sl], st.grad[sl],
+                [spec.part(t.moments[spec.name], run.start, run.end) for spec in self.specs],
                 step=run.step, group=self.param_groups[run.group], grad_scale=grad_scale,
                 out_lowp=None if lowp is None else lowp[sl],
             )
@@ -338,7 +343,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state on NVMe it is written through to the swap file."""
         st = self._state_of(index)
         want = {"master": (st.unit.master_numel,)}
-        want.update({name: (st.optimized_numel,) for name in self.state_names})
+        want.update({spec.name: (spec.numel(st.optimized_numel),) for spec in self.specs})
         for name, shape in want.items():
             if name not in state:
                 raise KeyError(
@@ -496,17 +501,8 @@ def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Any) -> N
             pos = run.end
 
 
-def moments_dtype(name: str) -> torch.dtype:
-    try:
-        return MOMENT_DTYPES[name]
-    except KeyError:
-        raise ValueError(
-            f"optimizer.moments_dtype={name!r}; allowed: {sorted(MOMENT_DTYPES)}"
-        ) from None
-
-
 ShardedAdam = ShardedOptimizer
 """The name of `ShardedOptimizer` from when it ran Adam only (kept for imports)."""
 
 __all__ = ["ShardedOptimizer", "ShardedAdam", "UnitOptimizerState", "resolve_param_groups",
-           "moments_dtype", "host_state_zeros", "host_state_bytes", "transient_grad_shards"]
+           "host_state_zeros", "host_state_bytes", "transient_grad_shards"]

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from offload.config import Config
-from offload.dtypes import DTYPES, MOMENT_DTYPES
+from offload.dtypes import DTYPES
+from offload.optim.kinds import MOMENT_FORMATS
 from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
 from offload.plan.planner import plan
 from offload.plan.stages import compare_stages
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks in the job (default: --gpus, or 1); more than --gpus means several nodes")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="compute dtype")
-    p.add_argument("--moments", default="fp32", choices=list(MOMENT_DTYPES), help="Adam moments dtype")
+    p.add_argument("--moments", default="fp32", choices=list(MOMENT_FORMATS), help="optimizer state dtype (8bit: Adam's blockwise 8-bit moments)")
     p.add_argument("--units", type=int, default=None,
                    help="units (transformer blocks) to lay the count out in (default: one per ~200M)")
     p.add_argument("--pinned-budget", default="1GiB", help="pinned staging budget for NVMe tiers")

@@ -29,7 +29,7 @@ from torch import nn
 
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES, MOMENT_DTYPES
-from offload.optim.kinds import state_names
+from offload.optim.kinds import MOMENT_FORMATS, state_specs
 from offload.optim.sharded import transient_grad_shards
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
 from offload.plan.tier_bytes import (
@@ -71,13 +71,13 @@ _REASONS = {
     ("cpu", "cpu"): "everything stays in memory (no disk traffic); parameter shards are "
                     "copied from pinned host memory at each gather",
     ("nvme", "cpu"): "optimizer states stay in host memory; only parameter shards are paged "
-                     "through NVMe (about 6 B/param of disk traffic per step)",
+                     "through NVMe (about {disk} B/param of disk traffic per step)",
     ("device", "nvme"): "parameter shards fit in GPU memory; optimizer states are paged "
-                        "through NVMe (24 B/param of disk traffic per step)",
+                        "through NVMe ({disk} B/param of disk traffic per step)",
     ("cpu", "nvme"): "parameter shards fit in host memory; optimizer states are paged "
-                     "through NVMe (24 B/param of disk traffic per step)",
+                     "through NVMe ({disk} B/param of disk traffic per step)",
     ("nvme", "nvme"): "only NVMe holds the training state; everything is paged through it "
-                      "(about 30 B/param of disk traffic per step)",
+                      "(about {disk} B/param of disk traffic per step)",
 }
 
 
@@ -141,6 +141,8 @@ class Plan:
                "optimizer_tier": self.recommended.optimizer_tier}
         if self.ram_budget_bytes:
             out["ram_budget_bytes"] = self.ram_budget_bytes
+        if self.moments != "fp32":
+            return {"offload": out, "optimizer": {"moments_dtype": self.moments}}
         return {"offload": out}
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,10 +219,11 @@ class Plan:
         """The training state per trainable parameter, next to the usual "16 B per parameter"
         (2 B bf16 params + 2 B bf16 grads + 12 B fp32 master and moments), which assumes
         low-precision gradients: the engine reduces and keeps gradient shards in fp32."""
-        p, m = DTYPES[self.dtype].itemsize, MOMENT_DTYPES[self.moments].itemsize
-        total = p + 4 + 2 * m + 4
+        p = DTYPES[self.dtype].itemsize
+        m = 2 * MOMENT_DTYPES[self.moments].itemsize if self.moments in MOMENT_DTYPES else 2 + 8 / 256
+        total = p + 4 + m + 4
         return (f"per trainable parameter: {p} B {self.dtype} parameter + 4 B fp32 master + "
-                f"{2 * m} B {self.moments} moments + 4 B gradient shard = {total} B, divided over "
+                f"{m:g} B {self.moments} moments + 4 B gradient shard = {total:g} B, divided over "
                 f"{self.machine.world_size} rank(s); gradient shards are kept in fp32 (4 B, not "
                 f"the {p} B the usual '16 B per parameter' figure counts)"
                 + ("; an fp32 parameter shard in host memory with the optimizer there is the "
@@ -247,7 +250,7 @@ def plan(
         `optimizer` groups are honoured as `initialize` would) or a parameter count.
     machine: a `Machine` (see `make_machine`); None = this machine as it is now, world size 1.
     config: an `offload.Config` / dict / path; dtype, moments, pinned budget and unit policy
-        come from it, unless `dtype` ('fp32'/'bf16'/'fp16') or `moments` ('fp32'/'bf16')
+        come from it, unless `dtype` ('fp32'/'bf16'/'fp16') or `moments` ('fp32'/'bf16'/'8bit')
         override them.
     units: for a bare count, how many equal units to lay it out in (default
         `offload.plan.tier_bytes.default_units`).
@@ -257,26 +260,26 @@ def plan(
     moments = moments or cfg.optimizer.moments_dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype = {dtype!r}; allowed: {', '.join(DTYPES)}")
-    if moments not in MOMENT_DTYPES:
-        raise ValueError(f"moments = {moments!r}; allowed: {', '.join(MOMENT_DTYPES)}")
-    p_bytes, m_bytes = DTYPES[dtype].itemsize, MOMENT_DTYPES[moments].itemsize
+    if moments not in MOMENT_FORMATS:
+        raise ValueError(f"moments = {moments!r}; allowed: {', '.join(MOMENT_FORMATS)}")
+    p_bytes = DTYPES[dtype].itemsize
     if machine is None:
         machine = machine_from_system(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"), 1)
     ws = machine.world_size
     if isinstance(model_or_params, nn.Module):
-        spec = spec_from_model(model_or_params, cfg, optimizer, ws, p_bytes)
+        spec = spec_from_model(model_or_params, cfg, optimizer, ws, p_bytes, moments)
     else:
         count = parse_count(model_or_params)
         if count < 1:
             raise ValueError(f"a model needs at least one parameter, got {model_or_params!r}")
-        spec = spec_from_count(count, ws, units, len(state_names(cfg.optimizer.type)))
+        spec = spec_from_count(count, ws, units, state_specs(cfg.optimizer.type, moments))
     on_gpu = machine.gpus_per_node > 0
 
     estimates = []
     for pt, ot in placements:
         per_rank = TierBytes()
         transient = transient_grad_shards(cfg, on_gpu)
-        rank_list = [rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, m_bytes=m_bytes, on_gpu=on_gpu,
+        rank_list = [rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, on_gpu=on_gpu,
                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes,
                                 transient_grads=transient, stage=cfg.zero_stage, world_size=ws)
                      for r in range(ws)]
@@ -299,7 +302,8 @@ def plan(
     if fitting:
         best = fitting[0]
         slower = [e.name for e in estimates[: estimates.index(best)]]
-        reason = _REASONS[(best.param_tier, best.optimizer_tier)]
+        per_param = best.disk_bytes_per_step * ws / max(1, spec.trainable_params)
+        reason = _REASONS[(best.param_tier, best.optimizer_tier)].format(disk=f"{per_param:.3g}")
         if slower:
             reason += f"; faster placements do not fit ({', '.join(slower)})"
     else:
@@ -315,13 +319,13 @@ def plan(
                                  placements, estimates)
     budget, split, split_disk = 0, None, 0
     if best is not None and "nvme" in (best.param_tier, best.optimizer_tier):
-        budget, split, split_disk = _ram_split(spec, best, machine, p_bytes, m_bytes)
+        budget, split, split_disk = _ram_split(spec, best, machine, p_bytes)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
                 best, reason, hints, budget, split, split_disk)
 
 
-def _ram_split(spec: Any, best: PlacementEstimate, m: Machine, p_bytes: int,
-               m_bytes: int) -> tuple[int, Optional[Placement], int]:
+def _ram_split(spec: Any, best: PlacementEstimate, m: Machine,
+               p_bytes: int) -> tuple[int, Optional[Placement], int]:
     """The host memory per rank the recommended NVMe placement leaves over (after the
     reserves; a CPU run's device memory and working sets are host memory too), which
     units it keeps in RAM (`choose_placement`, the engine's own choice from the same
@@ -333,8 +337,7 @@ def _ram_split(spec: Any, best: PlacementEstimate, m: Machine, p_bytes: int,
     budget = max(0, (host_cap - need) // max(1, m.local_ranks))
     if budget == 0:
         return 0, None, 0
-    names = tuple(f"state{i}" for i in range(spec.state_tensors))  # only their count matters
-    param_bytes, state_bytes = unit_bytes([u.layout for u in spec.units], p_bytes, m_bytes, names,
+    param_bytes, state_bytes = unit_bytes([u.layout for u in spec.units], p_bytes, spec.states,
                                           m.world_size)
     param_nvme, state_nvme = best.param_tier == "nvme", best.optimizer_tier == "nvme"
     split = choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
@@ -351,15 +354,22 @@ def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimi
                      placements: Sequence[tuple[str, str]],
                      estimates: list[PlacementEstimate]) -> tuple[str, ...]:
     """What would fit when nothing does, cheapest change first, each with its figures:
-    bf16 Adam moments (4 B/param less), then NVMe when none was given."""
+    bf16 Adam moments (4 B/param less), else 8-bit ones, then NVMe when none was given."""
     out = []
-    if moments == "fp32":
+    smaller = {"fp32": ("bf16", "8bit"), "bf16": ("8bit",)}.get(moments, ())
+    for alt_moments in smaller:
+        if alt_moments == "8bit" and cfg.optimizer.type not in ("Adam", "AdamW"):
+            continue
         alt = plan(model_or_params, machine=machine, config=cfg, optimizer=optimizer, dtype=dtype,
-                   moments="bf16", units=units, placements=placements)
+                   moments=alt_moments, units=units, placements=placements)
         if alt.recommended is not None:
-            out.append(f"bf16 Adam moments (--moments bf16; config optimizer.moments_dtype='bf16'; "
-                       f"4 B/param less): params {alt.recommended.param_tier}, optimizer "
+            what = ("bf16 Adam moments (--moments bf16; config optimizer.moments_dtype='bf16'; "
+                    "4 B/param less)" if alt_moments == "bf16" else
+                    "8-bit Adam moments (--moments 8bit; config optimizer.moments_dtype='8bit'; "
+                    f"{8 if moments == 'fp32' else 4} - 2.03 B/param)")
+            out.append(f"{what}: params {alt.recommended.param_tier}, optimizer "
                        f"{alt.recommended.optimizer_tier} fits, {_figures(alt.recommended, machine)}")
+            break
     if machine.nvme_free_bytes is None:
         for e in estimates:  # the fastest placement whose only problem is the missing disk
             if e.problems and all(p.startswith("no NVMe") for p in e.problems):

@@ -16,15 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from offload.config import Config
 from offload.dtypes import DTYPES
-from offload.optim.kinds import state_names
+from offload.optim.kinds import state_specs
 from offload.optim.sharded import host_state_bytes, resolve_param_groups
 from offload.sizes import align_up
+from offload.storage.state_layout import ADAM_STATE, StateSpec, param_align, uniform_specs
 from offload.units.partition import plan_units
-from offload.units.shard import FROZEN_GROUP, UnitLayout, layout_unit
+from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, UnitLayout, layout_unit
 
 __all__ = ["UnitSpec", "ModelSpec", "spec_from_model", "spec_from_count", "default_units",
            "TierBytes", "rank_bytes", "working_bytes", "disk_bytes_per_step"]
@@ -52,16 +54,27 @@ class ModelSpec:
     `precision.buffer_dtype` gives them (their own by default)."""
     params: int
     trainable_params: int
-    state_tensors: int = 2
-    """The optimizer's state tensors per optimized element beside the master (Adam 2,
-    Lion and Adagrad 1: offload/optim/kinds.py `STATE_NAMES`)."""
+    states: tuple[StateSpec, ...] = uniform_specs(ADAM_STATE, torch.float32)
+    """The optimizer's state tensors beside the master (Adam 2, Lion and Adagrad 1, 8-bit
+    Adam codes and scales: offload/optim/kinds.py `state_specs`)."""
+
+    @property
+    def state_tensors(self) -> int:
+        return len(self.states)
+
+    @property
+    def state_bytes_per_element(self) -> float:
+        """Bytes of optimizer state per optimized element beside the master (Adam fp32: 8)."""
+        return sum(s.dtype.itemsize / s.per for s in self.states)
 
 
 def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size: int,
-                    p_bytes: int) -> ModelSpec:
+                    p_bytes: int, moments: Optional[str] = None) -> ModelSpec:
     # Exactly Engine._build_units' grouping and layout (see [Note: the figures are the engine's]).
     plans = plan_units(model, config.unit_modules)
     _groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
+    states = state_specs(kind, moments or config.optimizer.moments_dtype)
+    align = param_align(states, PARAM_ALIGN_ELEMS)
     units = []
     params = trainable = 0
     for plan_ in plans:
@@ -72,7 +85,7 @@ def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size
             entries.append((rec.name, tuple(p.shape), g))
             params += p.numel()
             trainable += p.numel() if g != FROZEN_GROUP else 0
-        layout = layout_unit(entries, world_size)
+        layout = layout_unit(entries, world_size, param_align=align)
         units.append(UnitSpec(layout, any(rec.param.requires_grad for rec in plan_.params)))
     rule = config.precision.buffer_dtype  # as offload.runtime.buffers places them
     buffer_bytes = 0
@@ -82,7 +95,7 @@ def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size
         else:
             size = p_bytes if rule == "compute" else DTYPES[rule].itemsize
         buffer_bytes += b.numel() * size
-    return ModelSpec(tuple(units), buffer_bytes, params, trainable, len(state_names(kind)))
+    return ModelSpec(tuple(units), buffer_bytes, params, trainable, states)
 
 
 def default_units(params: int) -> int:
@@ -92,7 +105,7 @@ def default_units(params: int) -> int:
 
 
 def spec_from_count(params: int, world_size: int, units: Optional[int],
-                    state_tensors: int = 2) -> ModelSpec:
+                    states: tuple[StateSpec, ...] = uniform_specs(ADAM_STATE, torch.float32)) -> ModelSpec:
     """A bare count laid out as `units` equal trainable units under an empty root (the
     engine always has a root), through the engine's own layout function."""
     n = units or default_units(params)
@@ -101,7 +114,7 @@ def spec_from_count(params: int, world_size: int, units: Optional[int],
     for i in range(n):
         numel = per + (1 if i < extra else 0)
         specs.append(UnitSpec(layout_unit([(f"unit{i}", (numel,), 0)], world_size), True))
-    return ModelSpec(tuple(specs), 0, params, params, state_tensors)
+    return ModelSpec(tuple(specs), 0, params, params, states)
 
 
 # --------------------------------------------------------------------------------------
@@ -137,7 +150,7 @@ class TierBytes:
 
 
 def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str, *,
-               p_bytes: int, m_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
+               p_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
                transient_grads: bool = False, stage: int = 3, world_size: int = 1) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
@@ -171,20 +184,20 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
     shard_in_host = param_tier == "cpu" or (param_tier == "device" and not on_gpu)
     alias_master = p_bytes == 4 and shard_in_host and optimizer_tier == "cpu"
     staging = 0
-    k = spec.state_tensors
     for u in spec.units:
         layout = u.layout
         shard = layout.shard_numel
         opt = layout.shard_optimized_numel(rank)
-        master_b, moments_b = layout.shard_master_numel(rank) * 4, opt * m_bytes
+        master_b = layout.shard_master_numel(rank) * 4
+        moments_b = [s.numel(opt) * s.dtype.itemsize for s in spec.states]
         grad_b = master_b if not transient_grads else 0
         host += grad_b
         if alias_master:  # one buffer: the fp32 shard, the master its prefix
-            host += host_state_bytes(shard * 4) + k * host_state_bytes(moments_b)
+            host += host_state_bytes(shard * 4) + sum(host_state_bytes(b) for b in moments_b)
         elif optimizer_tier == "cpu":
-            host += host_state_bytes(master_b) + k * host_state_bytes(moments_b)
+            host += host_state_bytes(master_b) + sum(host_state_bytes(b) for b in moments_b)
         else:
-            nvme += align_up(master_b) + k * align_up(moments_b)
+            nvme += align_up(master_b) + sum(align_up(b) for b in moments_b)
         if not alias_master:
             shard_b = shard * p_bytes
             if param_tier == "nvme":
@@ -231,15 +244,16 @@ def working_bytes(spec: ModelSpec, param_tier: str, *, p_bytes: int, on_gpu: boo
 def disk_bytes_per_step(spec: ModelSpec, param_tier: str, optimizer_tier: str, *, p_bytes: int,
                         world_size: int) -> int:
     """Per rank: bytes read + written on NVMe per optimizer step, [Note: placement order]'s
-    figures (`offload.plan.planner.PLACEMENTS`): optimizer states on NVMe move 12 B read +
-    12 B written per trainable parameter (Adam; 8 B with one state tensor: Lion, Adagrad); parameter shards on NVMe 2 B per gather (forward
+    figures (`offload.plan.planner.PLACEMENTS`): optimizer states on NVMe move the 4 B master
+    plus the state (`ModelSpec.state_bytes_per_element`: fp32 Adam 8 B, bf16 4 B, 8-bit 2.03 B;
+    Lion and Adagrad half) read, and as much written, per trainable parameter; parameter shards on NVMe 2 B per gather (forward
     and backward) + 2 B written per trainable parameter, 2 B per gather for a frozen one,
     at a 2-byte compute dtype (scaled for others)."""
     if "nvme" not in (param_tier, optimizer_tier):
         return 0
     scale = p_bytes / 2
     params_bytes = 6 * scale if param_tier == "nvme" else 0
-    opt_bytes = 2 * (4 + 4 * spec.state_tensors) if optimizer_tier == "nvme" else 0
+    opt_bytes = 2 * (4 + spec.state_bytes_per_element) if optimizer_tier == "nvme" else 0
     disk = int(spec.trainable_params / world_size * (opt_bytes + params_bytes))
     if param_tier == "nvme" and spec.trainable_params < spec.params:
         disk += int((spec.params - spec.trainable_params) / world_size * 4 * scale)

@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
-from offload.optim.kinds import state_names
+from offload.optim.kinds import state_specs
 from offload.optim.sharded import (
     UnitOptimizerState,
     host_state_zeros,
-    moments_dtype,
     resolve_param_groups,
     transient_grad_shards,
 )
@@ -44,13 +43,14 @@ from offload.runtime.buffers import check_keep_in_fp32, place_buffers
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
+from offload.storage.state_layout import StateSpec, param_align
 from offload.storage.nvme_tier import make_param_tier
 from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.partition import ParamRecord, UnitPlan, plan_units
-from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, layout_unit
+from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
 __all__ = ["Built", "build", "release_storage", "acquire_storage", "zero_unwritten"]
 
@@ -98,10 +98,11 @@ def build(
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules)
     groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
-    planned = _plan_layouts(plans, group_of, pg.world_size)
-    tiers = _Tiers(owner, config, pg, device, dtype, planned, state_names(kind))
+    specs = state_specs(kind, config.optimizer.moments_dtype)
+    planned = _plan_layouts(plans, group_of, pg.world_size, param_align(specs, PARAM_ALIGN_ELEMS))
+    tiers = _Tiers(owner, config, pg, device, dtype, planned, specs)
     try:
-        units, states = _build_units(model, config, pg, device, dtype, planned, tiers, kind)
+        units, states = _build_units(model, config, pg, device, dtype, planned, tiers, specs)
     except BaseException:
         if tiers.close_nvme is not None:
             tiers.close_nvme()  # no swap files left behind by a failed initialize
@@ -121,14 +122,15 @@ def build(
     )
 
 
-def _plan_layouts(plans: list[UnitPlan], group_of: dict[int, int], world_size: int) -> Planned:
+def _plan_layouts(plans: list[UnitPlan], group_of: dict[int, int], world_size: int,
+                  align: int = PARAM_ALIGN_ELEMS) -> Planned:
     out = []
     for plan in plans:
         entries = []
         for rec in plan.params:
             g = group_of.get(id(rec.param), FROZEN_GROUP) if rec.param.requires_grad else FROZEN_GROUP
             entries.append((rec.name, tuple(rec.param.shape), g))
-        layout = layout_unit(entries, world_size)
+        layout = layout_unit(entries, world_size, param_align=align)
         by_name = {rec.name: rec for rec in plan.params}
         out.append((plan, layout, [by_name[s.name] for s in layout.slots]))
     return out
@@ -141,12 +143,11 @@ class _Tiers:
     in RAM (`placement`: offload/storage/placement.py)."""
 
     def __init__(self, owner: object, config: Any, pg: ProcessGroupInfo, device: torch.device,
-                 dtype: torch.dtype, planned: Planned, names: tuple[str, ...]) -> None:
+                 dtype: torch.dtype, planned: Planned, specs: tuple[StateSpec, ...]) -> None:
         from offload.storage.nvme import NVMeContext
 
         off = config.offload
-        mdtype = moments_dtype(config.optimizer.moments_dtype)
-        self.placement = unit_placement(config, pg, dtype, mdtype, planned, names)
+        self.placement = unit_placement(config, pg, dtype, specs, planned)
         uses_nvme = self.placement.any_nvme
         self.nvme: Any = None
         self.close_nvme: Optional[Callable[[], Any]] = None
@@ -155,7 +156,7 @@ class _Tiers:
         error: Optional[BaseException] = None
         try:
             if uses_nvme:
-                _check_nvme(config, pg, dtype, mdtype, planned, names, self.placement)
+                _check_nvme(config, pg, dtype, specs, planned, self.placement)
                 self.nvme = NVMeContext(
                     off.nvme_path, pg.rank,
                     budget_bytes=int(off.pinned_budget_bytes),
@@ -172,7 +173,7 @@ class _Tiers:
                 sizes = [(lay.shard_master_numel(pg.rank), lay.shard_optimized_numel(pg.rank))
                          if on else (0, 0)
                          for (_, lay, _), on in zip(planned, self.placement.state_on_nvme)]
-                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, mdtype, names)
+                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, specs)
         except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             error = exc
         if error is not None and self.close_nvme is not None:
@@ -201,8 +202,8 @@ class _Tiers:
         return tier.tier_of((index, "param")) if isinstance(tier, SplitTier) else tier
 
 
-def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
-                   planned: Planned, names: tuple[str, ...]) -> Placement:
+def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype,
+                   specs: tuple[StateSpec, ...], planned: Planned) -> Placement:
     """Which units' parameter shards and optimizer states are on NVMe: all of an NVMe tier's,
     less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM.
     Sizes are the largest rank's (shards differ only by padding), so that every rank makes
@@ -213,7 +214,7 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype
     if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
         return Placement.uniform(n, param_nvme, state_nvme)
     param_bytes, state_bytes = unit_bytes([lay for _, lay, _ in planned], dtype.itemsize,
-                                          mdtype.itemsize, names, pg.world_size)
+                                          specs, pg.world_size)
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
@@ -221,8 +222,8 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype
     return choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
 
 
-def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: torch.dtype,
-                planned: Planned, names: tuple[str, ...], placement: Placement) -> None:
+def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tuple[StateSpec, ...],
+                planned: Planned, placement: Placement) -> None:
     """What NVMe tiers need of the machine, checked before anything is created."""
     from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
 
@@ -237,8 +238,7 @@ def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, mdtype: t
             param_sizes.append(shard)
         if state_on:
             state = state_layout(
-                layout.shard_master_numel(pg.rank), layout.shard_optimized_numel(pg.rank),
-                mdtype.itemsize, names,
+                layout.shard_master_numel(pg.rank), layout.shard_optimized_numel(pg.rank), specs,
             ).nbytes
             optim_sizes.append(state)
         # One unit's pinned working set (docs/nvme.md): during the step its state and its
@@ -294,13 +294,12 @@ def _agree_on(error: Optional[BaseException], pg: ProcessGroupInfo, device: torc
 
 
 def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: torch.device,
-                 dtype: torch.dtype, planned: Planned, tiers: _Tiers, kind: str
+                 dtype: torch.dtype, planned: Planned, tiers: _Tiers, specs: tuple[StateSpec, ...]
                  ) -> tuple[list[FlatUnit], list[UnitOptimizerState]]:
     units: list[FlatUnit] = []
     states: list[UnitOptimizerState] = []
     records: list[list[ParamRecord]] = []
     cpu = torch.device("cpu")
-    mdtype = moments_dtype(config.optimizer.moments_dtype)
     transient = transient_grad_shards(config, device.type == "cuda")
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)
@@ -335,7 +334,7 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
             grad = torch.zeros(grad_numel, dtype=torch.float32, pin_memory=device.type == "cuda")
         states.append(UnitOptimizerState(
             unit=unit, master=master, grad=grad,
-            moments=None if on_nvme else {n: host_state_zeros(n_opt, mdtype) for n in state_names(kind)},
+            moments=None if on_nvme else {s.name: _fresh_state(s, n_opt) for s in specs},
             slot_steps=[0] * len(layout.slots), slot_has_grad=[False] * len(layout.slots),
             n_optimized=n_opt,
         ))
@@ -357,6 +356,12 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
     # The model's original parameters are now referenced by nothing of ours: their memory
     # goes back as soon as the caller drops its own references.
     return units, states
+
+
+def _fresh_state(spec: StateSpec, n_opt: int) -> torch.Tensor:
+    """A host state tensor over `n_opt` optimized elements, at its zero (`StateSpec.zero`)."""
+    t = host_state_zeros(spec.numel(n_opt), spec.dtype)
+    return t.fill_(spec.zero) if spec.zero else t
 
 
 def _fill_masters(model: nn.Module, units: list[FlatUnit],

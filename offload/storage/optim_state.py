@@ -65,7 +65,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from offload.sizes import ALIGNMENT, align_up
-from offload.storage.state_layout import ADAM_STATE, StateLayout, UnitTensors, state_layout
+from offload.storage.state_layout import (ADAM_STATE, StateLayout, StateSpec, UnitTensors, state_layout,
+                                          uniform_specs)
 from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
 
 __all__ = ["ADAM_STATE", "HostOptimizerStates", "NVMeOptimizerStates", "StateLayout", "StateSource",
@@ -213,15 +214,13 @@ class NVMeOptimizerStates:
         self,
         context: NVMeContext,
         sizes: Sequence[tuple[int, int]],
-        moment_dtype: torch.dtype,
-        names: tuple[str, ...] = ADAM_STATE,
+        specs: Sequence[StateSpec] = uniform_specs(ADAM_STATE, torch.float32),
     ) -> None:
         self._ctx = context
-        self.moment_dtype = moment_dtype
-        self.names = tuple(names)
-        """The optimizer's state tensors per unit (offload/optim/kinds.py `STATE_NAMES`)."""
-        itemsize = moment_dtype.itemsize
-        self.layouts = [state_layout(m, n, itemsize, self.names) for m, n in sizes]
+        self.specs = tuple(specs)
+        """The optimizer's state tensors per unit (offload/optim/kinds.py `state_specs`)."""
+        self.names = tuple(s.name for s in self.specs)
+        self.layouts = [state_layout(m, n, self.specs) for m, n in sizes]
         self._swap = context.directory.create("optim", [lay.nbytes for lay in self.layouts])
         self._last_write: list[Optional[Pending]] = [None] * len(self.layouts)
         self._prefetched: dict[int, tuple[Lease, Pending]] = {}
@@ -249,8 +248,9 @@ class NVMeOptimizerStates:
     # -- one unit --------------------------------------------------------------------------
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
-        """Write unit `index`'s first state: `master`, zero state tensors (the write runs on;
-        one that starts elsewhere is filled by the optimizer afterwards)."""
+        """Write unit `index`'s first state: `master`, state tensors at their zero
+        (`StateSpec.zero`; the write runs on; one that starts elsewhere, Adagrad's sum, is
+        filled by the optimizer afterwards)."""
         lay = self.layouts[index]
         if not lay.nbytes:
             return  # no optimized parameter: no state
@@ -258,8 +258,8 @@ class NVMeOptimizerStates:
         try:
             t = self._views(index, buf)
             t.master.copy_(master)
-            for m in t.moments.values():
-                m.zero_()
+            for spec in self.specs:
+                t.moments[spec.name].fill_(spec.zero)
         except BaseException:
             self._ctx.staging.release(buf)
             raise
@@ -357,9 +357,8 @@ class NVMeOptimizerStates:
             self.checkin(index, t)  # nothing to read, ever
             return
         n_master = align_up(lay.master_numel * 4)
-        n_moment = align_up(lay.moment_numel * lay.moment_itemsize)
         places = [("master", 0, n_master)]
-        places += [(name, at, n_moment) for name, at in zip(lay.names, lay.offsets)]
+        places += [(s.name, at, align_up(lay.nbytes_of(s))) for s, at in zip(lay.specs, lay.offsets)]
         parts = tuple((int(file_offsets[name]), at, n) for name, at, n in places if n)
         if any(fo % ALIGNMENT for fo, _, _ in parts):
             self.abandon(index, t)
@@ -484,10 +483,9 @@ class NVMeOptimizerStates:
 
     def _views(self, index: int, buf: torch.Tensor, scratch_bytes: int = 0) -> UnitTensors:
         lay = self.layouts[index]
-        md = self.moment_dtype
         master = buf[: lay.master_numel * 4].view(torch.float32)
-        n = lay.moment_numel * lay.moment_itemsize
-        moments = {name: buf[at : at + n].view(md) for name, at in zip(lay.names, lay.offsets)}
+        moments = {s.name: buf[at : at + lay.nbytes_of(s)].view(s.dtype)
+                   for s, at in zip(lay.specs, lay.offsets)}
         scratch = buf[lay.nbytes : lay.nbytes + scratch_bytes] if scratch_bytes else None
         return UnitTensors(
             master, moments, scratch=scratch, _buffers=(buf,) if buf.numel() else (),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from offload.sizes import align_up
-from offload.storage.state_layout import state_layout
+from offload.storage.state_layout import StateSpec, state_layout
 
 __all__ = ["PARAM_TRAFFIC", "STATE_TRAFFIC", "Placement", "choose_placement", "unit_bytes"]
 
@@ -87,14 +87,14 @@ class Placement:
         return f"parameters: {part(self.param_on_nvme)}; optimizer state: {part(self.state_on_nvme)}"
 
 
-def unit_bytes(layouts: Sequence[Any], param_itemsize: int, moment_itemsize: int,
-               state_names: Sequence[str], world_size: int) -> tuple[list[int], list[int]]:
+def unit_bytes(layouts: Sequence[Any], param_itemsize: int, specs: Sequence[StateSpec],
+               world_size: int) -> tuple[list[int], list[int]]:
     """Per unit (`UnitLayout`s): the bytes its parameter shard and its optimizer state take
     on NVMe (swap-slot sizes: page-rounded), the largest rank's, so that every rank (and the
     planner) sees the same sizes and makes the same choice."""
     params = [align_up(lay.shard_numel * param_itemsize) for lay in layouts]
     states = [max(state_layout(lay.shard_master_numel(r), lay.shard_optimized_numel(r),
-                               moment_itemsize, tuple(state_names)).nbytes for r in range(world_size))
+                               tuple(specs)).nbytes for r in range(world_size))
               for lay in layouts]
     return params, states
 

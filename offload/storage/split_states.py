@@ -45,8 +45,8 @@ class SplitOptimizerStates:
         return self.nvme.layouts
 
     @property
-    def moment_dtype(self) -> torch.dtype:
-        return self.nvme.moment_dtype
+    def specs(self) -> tuple[Any, ...]:
+        return self.nvme.specs
 
     @property
     def path(self) -> str:

@@ -25,6 +25,7 @@ taken from one place and checked against the other.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
@@ -32,10 +33,15 @@ from offload.config import Config, ConfigError, ConfigTypeError, load_config, re
 from offload.config.load import is_deepspeed_config
 from offload.integrations.hf.auto import resolve_auto
 
-__all__ = ["engine_config", "ADAMW_OPTIMS"]
+__all__ = ["engine_config", "ADAMW_OPTIMS", "ADAMW_8BIT_OPTIMS"]
 
 ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"})
 """`TrainingArguments.optim` values whose update the engine's AdamW computes."""
+
+ADAMW_8BIT_OPTIMS = frozenset({"adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit"})
+"""`TrainingArguments.optim` values the engine runs as AdamW with 8-bit moments
+(`optimizer.moments_dtype: "8bit"`, the blockwise definition bitsandbytes and torchao use;
+the engine quantises every parameter, where they keep tensors under 4096 elements in fp32)."""
 
 ConfigSource = Union[Config, Mapping[str, Any], str, "os.PathLike[str]", None]
 
@@ -61,12 +67,16 @@ def engine_config(source: ConfigSource, args: Any, *, num_training_steps: Option
     if not own_optimizer:
         optim = getattr(args, "optim", "adamw_torch")
         optim = str(getattr(optim, "value", optim))  # an OptimizerNames member
-        if optim not in ADAMW_OPTIMS:
+        if optim not in ADAMW_OPTIMS | ADAMW_8BIT_OPTIMS:
             raise ConfigError(
                 "TrainingArguments.optim", f"= {optim!r}, which the engine cannot run: it runs "
                 "AdamW on the CPU over its fp32 shards",
-                f"use one of {sorted(ADAMW_OPTIMS)} (the same update), or give the offload "
-                "config an optimizer section")
+                f"use one of {sorted(ADAMW_OPTIMS)} (the same update), one of "
+                f"{sorted(ADAMW_8BIT_OPTIMS)} (8-bit moments), or give the offload config an "
+                "optimizer section")
+        if optim in ADAMW_8BIT_OPTIMS:  # (a config without an optimizer section: fp32 moments)
+            config = dataclasses.replace(
+                config, optimizer=dataclasses.replace(config.optimizer, moments_dtype="8bit"))
     return config, own_optimizer
 
 
