@@ -221,3 +221,14 @@ def test_proc_io_counts_odirect_bytes_of_worker_threads(tmp_path):
     assert quiet1[0] - quiet0[0] < 1 << 20 and quiet1[1] - quiet0[1] < 1 << 20  # negative control
     assert nbytes <= b[1] - a[1] < 2 * nbytes  # written
     assert nbytes <= c[0] - b[0] < 2 * nbytes  # read
+
+
+def test_bench_moments_reports_half_the_nvme_bytes_with_8bit_moments(tmp_path):
+    """An NVMe-tier step reads and writes master + moments once: 4 + 8, 4 + 4 and 4 + 2.03 B
+    per parameter (bias and norm slots pad a little)."""
+    from benchmarks.bench_moments import main
+
+    out = main(["--layers", "1", "--d-model", "128", "--vocab", "512", "--batch", "1", "--steps", "2",
+                "--nvme-path", str(tmp_path)])
+    for moments, want in (("fp32", 12.0), ("bf16", 8.0), ("8bit", 4 + 2 + 8 / 256)):
+        assert want <= out[moments]["read"] == out[moments]["written"] < want * 1.1, (moments, out)
