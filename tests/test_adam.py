@@ -617,3 +617,50 @@ def test_offload_adam_isa_errors_name_the_variable(monkeypatch):
     assert best in supported_isas() and best != "scalar"
     monkeypatch.setenv("OFFLOAD_ADAM_ISA", "AUTO")  # 'auto', any case: the best, as unset
     assert adam_isa() == best
+
+
+def test_large_steps_take_the_prefetch_and_streamed_copy_out_paths_bit_for_bit():
+    """Steps of >= 4M elements run the kernels' large-step loop (software prefetch, streamed
+    bf16/fp16 copy-out: [Note: large steps] in csrc/adam/kernels.h): equal to the scalar kernel
+    for every dtype combination, ISA, thread count, an unaligned output, and special values
+    (ties, NaN payloads, subnormals, overflow) through the streamed copy-out and bf16 moments."""
+    n = (1 << 22) + 1057
+
+    def run(isa, combo, threads, misalign):
+        gd, md, od, dec = combo
+        master, grad, m, v = make_state(n, grad_dtype=gd, moment_dtype=md, seed=7)
+        out = (torch.empty(n + 1, dtype=od)[1:] if misalign else torch.empty(n, dtype=od)) if od else None
+        for step in (1, 2):
+            adam_step_flat(master, grad, m, v, step=step, weight_decay=0.02, decoupled_weight_decay=dec,
+                           grad_scale=0.75, out_lowp=out, isa=isa, threads=threads, **HYPER)
+        return [t for t in (master, m, v, out) if t is not None]
+
+    isas = [i for i in ("avx512", "avx2", "portable") if i in supported_isas()]
+    for combo in COMBOS:
+        want = run("scalar", combo, 1, False)
+        for isa in isas:
+            for threads in (1, 2):
+                for misalign in ((False, True) if combo[2] is not None else (False,)):
+                    for name, a, b in zip(["master", "m", "v", "out"], run(isa, combo, threads, misalign), want):
+                        assert_bitwise_equal(a, b, f"{isa} {combo} threads={threads} misalign={misalign} {name}")
+    sv = special_values()
+    base = sv.repeat(-(-n // sv.numel()))[:n].contiguous()
+    for od in (torch.bfloat16, torch.float16):
+        outs = {}
+        for isa in ["scalar", *isas]:
+            out = torch.empty(n, dtype=od)
+            adam_step_flat(base.clone(), torch.ones(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0,
+                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, out_lowp=out, isa=isa,
+                           threads=2)
+            outs[isa] = out.view(torch.int16)
+        for isa in isas:
+            assert torch.equal(outs[isa], outs["scalar"]), (isa, od)
+    for isa in isas:
+        res = []
+        for k in ("scalar", isa):
+            master = torch.randn(n, generator=torch.Generator().manual_seed(3))
+            m, v = base.to(torch.bfloat16), base.abs().to(torch.bfloat16)
+            adam_step_flat(master, base.clone(), m, v, step=2, weight_decay=0.01, isa=k, threads=2, **HYPER)
+            res.append((master.view(torch.int32), m.view(torch.int16), v.view(torch.int16)))
+        for a, b in zip(*res):
+            assert torch.equal(a, b), isa

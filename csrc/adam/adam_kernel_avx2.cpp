@@ -51,8 +51,10 @@ inline Update8 update8(const float* p_base, const void* g_base, const void* m_ba
   return {p, m, v};
 }
 
-template <DType G, DType M, DType O, bool L2>
-void avx2_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_t end) {
+// kAhead: the prefetch distance in elements (0: none), kStream: the copy-out with
+// non-temporal stores ([Note: large steps] in kernels.h).
+template <DType G, DType M, DType O, bool L2, bool kStream, size_t kAhead>
+void avx2_loop(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_t end) {
   const Scalars8 s8(s);
   // The pointers in locals: read through `b` they would be reloaded after every store
   // (a float store may alias the struct, as far as the compiler can tell).
@@ -65,13 +67,19 @@ void avx2_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_
   // 16 elements per iteration: two independent vectors keep the sqrt/div unit busy, and
   // bf16 results are narrowed in pairs ([Note: bf16 rounding on AVX2]).
   for (; i + 16 <= end; i += 16) {
+    if constexpr (kAhead != 0) {
+      prefetch_block<DType::kF32, 16>(p, i + kAhead);
+      prefetch_block<G, 16>(g, i + kAhead);
+      prefetch_block<M, 16>(m, i + kAhead);
+      prefetch_block<M, 16>(v, i + kAhead);
+    }
     const Update8 a = update8<G, M, L2>(p, g, m, v, s8, i);
     const Update8 c = update8<G, M, L2>(p, g, m, v, s8, i + 8);
     _mm256_storeu_ps(p + i, a.p);
     _mm256_storeu_ps(p + i + 8, c.p);
     store16<M>(m, i, a.m, c.m);
     store16<M>(v, i, a.v, c.v);
-    if constexpr (O != DType::kNone) store16<O>(out, i, a.p, c.p);
+    if constexpr (O != DType::kNone) store16<O, kStream>(out, i, a.p, c.p);
   }
   for (; i + 8 <= end; i += 8) {
     const Update8 a = update8<G, M, L2>(p, g, m, v, s8, i);
@@ -81,6 +89,20 @@ void avx2_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_
     if constexpr (O != DType::kNone) store8<O>(out, i, a.p);
   }
   for (; i < end; ++i) adam_math::adam_element<G, M, O, L2>(b, s, i);
+}
+
+template <DType G, DType M, DType O, bool L2>
+void avx2_kernel(const AdamBuffers& b, const AdamScalars& s, size_t begin, size_t end) {
+  constexpr size_t kAhead = kAheadFor<G, M, O>;
+  if (!large_step(b)) return avx2_loop<G, M, O, L2, false, 0>(b, s, begin, end);
+  if constexpr (O != DType::kNone) {
+    if (copy_out_aligned(b, begin, 32)) {
+      avx2_loop<G, M, O, L2, true, kAhead>(b, s, begin, end);
+      _mm_sfence();  // the streamed lines are globally visible before the step returns
+      return;
+    }
+  }
+  avx2_loop<G, M, O, L2, false, kAhead>(b, s, begin, end);
 }
 
 OFFLOAD_ADAM_SELECTOR(select_avx2, avx2_kernel)

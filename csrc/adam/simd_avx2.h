@@ -80,10 +80,18 @@ inline void store8(void* base, size_t i, __m256 f) {
   }
 }
 
-// Elements i..i+7 from a, i+8..i+15 from b.
-template <DType D>
+// Elements i..i+7 from a, i+8..i+15 from b. kStream (16-bit types only): one
+// non-temporal 32-byte store, to a 32-byte aligned address.
+template <DType D, bool kStream = false>
 inline void store16(void* base, size_t i, __m256 a, __m256 b) {
-  if constexpr (D == DType::kBF16) {
+  if constexpr (kStream) {
+    static_assert(D != DType::kF32, "streamed stores are for the 16-bit copy-out");
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256i h = D == DType::kBF16 ? to_bf16_x16(a, b)
+                                        : _mm256_set_m128i(_mm256_cvtps_ph(b, kRound),
+                                                           _mm256_cvtps_ph(a, kRound));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), h);
+  } else if constexpr (D == DType::kBF16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
                         to_bf16_x16(a, b));
   } else {
