@@ -49,6 +49,7 @@ from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.full_buffers import FullBuffers
 from offload.units.partition import ParamRecord, UnitPlan, plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
@@ -301,6 +302,11 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
     records: list[list[ParamRecord]] = []
     cpu = torch.device("cpu")
     transient = transient_grad_shards(config, device.type == "cuda")
+    # [Note: reused full buffers] in offload/units/full_buffers.py: kept up to what can be
+    # live at once anyway (two units, what prefetch reads ahead and what it keeps gathered)
+    largest = max((lay.padded_numel for _, lay, _ in planned), default=0) * dtype.itemsize
+    budget = 2 * largest + config.prefetch.prefetch_bytes + config.prefetch.keep_bytes
+    full_buffers = FullBuffers(budget) if pg.world_size == 1 and device.type == "cpu" else None
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)
         on_nvme = tiers.placement.state_on_nvme[index]
@@ -322,7 +328,8 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
             master = shard[:n_master]  # the master is the shard's prefix: one buffer
         unit = FlatUnit(index, plan.name, layout, param_tier, dtype, device, pg,
                         [r.param.requires_grad for r in recs],
-                        resident=config.zero_stage < 3, all_reduce_grads=config.zero_stage == 1)
+                        resident=config.zero_stage < 3, all_reduce_grads=config.zero_stage == 1,
+                        full_buffers=full_buffers)
         grad_numel = n_master
         if transient:
             # Sized but holding no memory until its unit's reduce-scatter (and again none

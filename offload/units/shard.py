@@ -34,6 +34,7 @@ from offload.units.layout import (
     layout_unit,
     update_runs,
 )
+from offload.units.full_buffers import CAN_POINT, FullBuffers
 from offload.units.parameter import UnitParameter
 
 __all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_ELEMS",
@@ -71,6 +72,7 @@ class FlatUnit:
         requires_grad: Sequence[bool],
         resident: bool = False,
         all_reduce_grads: bool = False,
+        full_buffers: Optional[FullBuffers] = None,
     ) -> None:
         self.index = index
         self.resident = resident
@@ -118,6 +120,11 @@ class FlatUnit:
         ]
         if not self.aliased:
             _free_storage(self.full)
+        self._buffers = (full_buffers if full_buffers is not None and not self.aliased
+                         and pg.world_size == 1 and device.type == "cpu" and CAN_POINT else None)
+        """Where the full buffer's bytes come from and go back to ([Note: reused full
+        buffers] in offload/units/full_buffers.py); None: the CPU allocator."""
+        self._full_buf: Optional[torch.Tensor] = None
 
     def _slot_view(self, slot: ParamSlot) -> torch.Tensor:
         # A tensor on `full`'s storage with its *own* version counter (set_, not slicing):
@@ -142,7 +149,18 @@ class FlatUnit:
     def alloc_full(self) -> None:
         """Give the full buffer its bytes (a prefetch fills this rank's slot before the
         gather; see offload/runtime/schedule.py)."""
-        _alloc_storage(self.full)
+        if self._buffers is None:
+            _alloc_storage(self.full)
+        elif self._full_buf is None:
+            self._full_buf = self._buffers.point(self.full)
+
+    def _drop_full(self) -> None:
+        """Give the full buffer's bytes back (to `FullBuffers`, or the allocator)."""
+        if self._full_buf is not None:
+            self._buffers.unpoint(self.full, self._full_buf)
+            self._full_buf = None
+        else:
+            _free_storage(self.full)
 
     def gather(self, local: Optional[torch.Tensor] = None, filled: bool = False) -> None:
         """Make every parameter readable on the compute device (idempotent).
@@ -156,7 +174,7 @@ class FlatUnit:
         if self.state is UnitState.GATHERING:
             self._finish_gather()
             return
-        _alloc_storage(self.full)
+        self.alloc_full()
         if self._coll_device == self.device:
             _dist.all_gather_into(self.full, self._own_shard(local, filled), self.pg)
         else:
@@ -202,7 +220,7 @@ class FlatUnit:
             return False
         if self._coll_device != self.device:
             return False
-        _alloc_storage(self.full)
+        self.alloc_full()
         n, r = self.layout.shard_numel, self.pg.rank
         slot = self.full[r * n : (r + 1) * n]
         src = self._own_shard(local, filled)
@@ -249,7 +267,7 @@ class FlatUnit:
             return
         if self.state is UnitState.GATHERING:
             self._finish_gather()
-        _free_storage(self.full)
+        self._drop_full()
         self.state = UnitState.SHARDED
 
     # -- values in and out ------------------------------------------------------------------
