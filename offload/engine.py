@@ -559,13 +559,13 @@ class Engine:
         remove_hooks(self._hooks)
         if getattr(self, "_marked_generation", False):
             unmark_synced_generation(self.module)
+        if getattr(self, "backward_tracker", None) is not None:  # absent when __init__ failed early
+            self.gather.drop()
+            self._drain_collectives()
         if released_parameters(self.module) and not getattr(self, "_closed_hook", None):
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.
             self._closed_hook = self.module.register_forward_pre_hook(forward_of_a_closed_model)
-        if getattr(self, "backward_tracker", None) is not None:  # absent when __init__ failed early
-            self.gather.drop()
-            self._drain_collectives()
         if self._close_nvme is not None:
             self._close_nvme()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():

@@ -205,8 +205,8 @@ class Gatherer:
         filled = local is None
         t1 = now()
         tl.count("fetch_wait", t1 - t0)
-        if filled:
-            tl.count("copy_wait", t1 - t0)  # NVMe waits are in io_wait already
+        if filled and entry.label == "copy":
+            tl.count("copy_wait", t1 - t0)  # NVMe waits (reads, direct ones too) are in io_wait
         if tl.enabled:
             kind = entry.label
             name = unit.name or "<root>"

@@ -29,6 +29,10 @@ class FetchMode(enum.Enum):
     """Not addressable (NVMe): read ahead into a leased pooled buffer."""
     CUDA_COPY = "cuda_copy"
     """Pinned host shard, GPU compute: copied into the unit's slot on a side stream."""
+    DIRECT = "direct"
+    """Not addressable (NVMe), world size 1 on the CPU (`FlatUnit.reads_into_full`): read
+    straight into the unit's full buffer, with no pooled buffer and no copy (a copy the tier
+    kept at the shard's last store is still used when there is one)."""
 
 
 class Prefetcher:
@@ -57,7 +61,8 @@ class Prefetcher:
         self.pending: dict[int, Any] = {}
         self._write_through: frozenset[int] = frozenset()
         self._stream: Any = None
-        self.modes = [_mode_of(unit.tier, unit.device) for unit in units]
+        self.modes = [FetchMode.DIRECT if getattr(unit, "reads_into_full", False)
+                      else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
         if FetchMode.CUDA_COPY in self.modes:
             self._stream = torch.cuda.Stream(units[0].device)
@@ -87,6 +92,10 @@ class Prefetcher:
             if what is None:
                 return False
             self.pending[index] = _Entry(what, now())
+            return True
+        if mode is FetchMode.DIRECT:
+            held = unit.tier.take_held(unit.key)
+            self.pending[index] = _Entry(held if held is not None else _DirectRead(unit), now())
             return True
         self.pending[index] = _Entry(_CudaCopy(unit, self._stream), now())
         return True
@@ -118,7 +127,7 @@ class Prefetcher:
         entry = self._live(index)
         if entry is not None:
             del self.pending[index]
-        elif self.modes[index] is FetchMode.READ:
+        elif self.modes[index] in (FetchMode.READ, FetchMode.DIRECT):
             what = self.units[index].tier.take_held(self.units[index].key)
             entry = None if what is None else _Entry(what, now())
         if entry is None or not entry.claim():
@@ -128,6 +137,8 @@ class Prefetcher:
     def fetch_now(self, index: int) -> Optional["_Entry"]:
         """An on-demand fetch through the same path (NVMe: a blocking buffer acquire), so
         the engine measures the wait the same way; None for tiers gathered in place."""
+        if self.modes[index] is FetchMode.DIRECT:
+            return _Entry(_DirectRead(self.units[index]), now())
         if self.modes[index] is not FetchMode.READ:
             return None
         what = self.units[index].tier.fetch_ahead(self.units[index].key, block=True)
@@ -261,5 +272,41 @@ class _CudaCopy:
         """Dropped unused: order the compute stream after the copy, then free the buffer
         (unless a gather has since made the unit gathered: then the bytes are in use)."""
         self.ready_on_compute_stream()
+        if not self.unit.is_gathered:
+            self.unit.free()
+
+
+class _DirectRead:
+    """NVMe shard -> the unit's full buffer itself (`FetchMode.DIRECT`, `FlatUnit.start_read`):
+    the gather finds the shard in place. Nobody takes the buffer back while the read is in
+    flight: freeing the unit's buffer waits for it, and a change of the shard drops it."""
+
+    __slots__ = ("unit", "handle")
+
+    label = "read"
+    fresh = False
+
+    def __init__(self, unit: Any) -> None:
+        self.unit = unit
+        self.handle = unit.start_read()
+
+    def live(self) -> bool:
+        """Whether the read still fills the unit's buffer (not dropped with it)."""
+        return self.unit.reading(self.handle)
+
+    def claim(self) -> bool:
+        return self.live()
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def wait(self) -> None:
+        """The shard is in the unit's full buffer once the read landed: nothing to copy."""
+        self.unit.finish_read(self.handle)
+        return None
+
+    def release(self) -> None:
+        """Dropped unused: free the buffer (after the read lands), unless a gather has since
+        made the unit gathered (then the bytes are in use)."""
         if not self.unit.is_gathered:
             self.unit.free()

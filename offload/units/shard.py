@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import offload.units.collectives as _dist
+from offload.storage.nvme import wait_quietly
 from offload.storage.tiers import Tier, wait
 from offload.units.layout import (
     FROZEN_GROUP,
@@ -125,6 +126,8 @@ class FlatUnit:
         """Where the full buffer's bytes come from and go back to ([Note: reused full
         buffers] in offload/units/full_buffers.py); None: the CPU allocator."""
         self._full_buf: Optional[torch.Tensor] = None
+        self._reading: Any = None
+        """A read of the shard straight into `full` in flight (`start_read`), or None."""
 
     def _slot_view(self, slot: ParamSlot) -> torch.Tensor:
         # A tensor on `full`'s storage with its *own* version counter (set_, not slicing):
@@ -154,8 +157,39 @@ class FlatUnit:
         elif self._full_buf is None:
             self._full_buf = self._buffers.point(self.full)
 
+    @property
+    def reads_into_full(self) -> bool:
+        """Whether the shard can be read from its tier straight into `full` ahead of the
+        gather (world size 1 on the CPU: `full` is page-aligned memory from `FullBuffers`,
+        and the shard is all of it)."""
+        return self._buffers is not None and not self.tier.addressable
+
+    def start_read(self) -> Any:
+        """Start reading the shard into `full` (its bytes given first); returns the read's
+        handle. Until `finish_read`, freeing `full` waits for the read (it lands in these
+        bytes), and a change of the shard (`invalidate`) drops it."""
+        self.alloc_full()
+        self._reading = self.tier.fetch(self.key, self.full[: self.layout.shard_numel])
+        return self._reading
+
+    def reading(self, handle: Any) -> bool:
+        """Whether `handle` (from `start_read`) still fills `full` (not dropped with it)."""
+        return handle is not None and self._reading is handle
+
+    def finish_read(self, handle: Any) -> None:
+        """Wait for the read `handle`: the shard is in `full` (the gather finds it filled)."""
+        try:
+            handle.wait()
+        finally:
+            if self._reading is handle:
+                self._reading = None
+
     def _drop_full(self) -> None:
-        """Give the full buffer's bytes back (to `FullBuffers`, or the allocator)."""
+        """Give the full buffer's bytes back (to `FullBuffers`, or the allocator), after a
+        read into them in flight has landed."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            wait_quietly([reading])
         if self._full_buf is not None:
             self._buffers.unpoint(self.full, self._full_buf)
             self._full_buf = None
