@@ -119,7 +119,8 @@ class Gatherer:
     def prefetch_next_iteration(self) -> None:
         """Between iterations (after a step, or between micro-batches): start fetching the
         first units the next forward will need, the root first."""
-        self.prefetcher.start_in_order(self.schedule.next_iteration())
+        # into pooled buffers: full buffers hold no memory between steps (memory_bytes, the planner)
+        self.prefetcher.start_in_order(self.schedule.next_iteration(), direct=False)
 
     def gather_now(self, unit: FlatUnit) -> None:
         """Gather `unit` outside the schedule (offload/runtime/gathered.py: on purpose, for a

@@ -78,10 +78,14 @@ class Prefetcher:
         self._write_through = frozenset(indices)
         self.tier.keep_after_store(self.units[i].key for i in self._write_through)
 
-    def start(self, index: int) -> bool:
+    def start(self, index: int, direct: bool = True) -> bool:
         """Begin fetching unit `index` ahead; False when nothing was started (nothing to
-        fetch for this tier, already started or gathered, or no buffer free right now)."""
+        fetch for this tier, already started or gathered, or no buffer free right now).
+        `direct=False`: a `DIRECT` unit reads into a pooled buffer instead (between
+        iterations, so that no full buffer holds memory between steps)."""
         mode = self.modes[index]
+        if mode is FetchMode.DIRECT and not direct:
+            mode = FetchMode.READ
         if mode is FetchMode.NONE or self._live(index) is not None:
             return False
         unit = self.units[index]
@@ -100,14 +104,14 @@ class Prefetcher:
         self.pending[index] = _Entry(_CudaCopy(unit, self._stream), now())
         return True
 
-    def start_in_order(self, indices: Sequence[int]) -> None:
+    def start_in_order(self, indices: Sequence[int], direct: bool = True) -> None:
         """Start fetching these units, in order, skipping those already started or gathered,
         and stopping at the first that cannot start now (no buffer, or nothing to fetch for
         this tier): the rest are fetched later or on demand, never out of order."""
         for index in indices:
             if self._live(index) is not None or self.units[index].is_gathered:
                 continue
-            if not self.start(index):
+            if not self.start(index, direct):
                 break
 
     def poll(self) -> None:
