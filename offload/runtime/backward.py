@@ -41,6 +41,7 @@ import torch
 
 from offload.runtime.build import acquire_storage, zero_unwritten
 from offload.runtime.timeline import Timeline, now
+from offload.units.full_buffers import CAN_POINT, point_storage, unpoint_storage
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
@@ -260,7 +261,7 @@ class GradScratch:
 
     def __init__(self, states: list[Any], enabled: bool) -> None:
         self.states = states
-        self.enabled = enabled and _CAN_POINT
+        self.enabled = enabled and CAN_POINT
         self.buf: Any = None
         self.holder: Any = None
         """The gradient shard that last borrowed the buffer."""
@@ -280,10 +281,7 @@ class GradScratch:
         if self.buf is None:
             n = max(st.grad.numel() for st in self.states)
             self.buf = torch.empty(n, dtype=torch.float32)
-        nbytes = grad.numel() * grad.element_size()
-        storage = torch._C._construct_storage_from_data_pointer(
-            self.buf.data_ptr(), self.buf.device, nbytes)
-        grad.untyped_storage()._swap_data_ptr_(storage)
+        point_storage(grad, self.buf)
         setattr(grad, _SCRATCH_ATTR, self.buf)
         self.holder = grad
         # Not fresh memory: the previous unit's values are there. The reduce writes every
@@ -300,11 +298,7 @@ def release_grad(grad: torch.Tensor) -> None:
     if getattr(grad, _SCRATCH_ATTR, None) is None:
         storage.resize_(0)
         return
-    storage._swap_data_ptr_(torch.UntypedStorage(0))  # resizable and empty, as released
+    unpoint_storage(grad)  # resizable and empty, as released
     delattr(grad, _SCRATCH_ATTR)
 
 
-_CAN_POINT = hasattr(torch._C, "_construct_storage_from_data_pointer") and hasattr(
-    torch.UntypedStorage, "_swap_data_ptr_")
-"""The private torch calls `GradScratch` uses (torch >= 2.3); without them every transient
-shard gets fresh memory, as before."""

@@ -26,11 +26,24 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FullBuffers", "CAN_POINT"]
+__all__ = ["FullBuffers", "CAN_POINT", "point_storage", "unpoint_storage"]
 
 CAN_POINT = hasattr(torch._C, "_construct_storage_from_data_pointer") and hasattr(
     torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch can point a storage at memory it does not own (torch >= 2.3)."""
+
+
+def point_storage(t: torch.Tensor, buf: torch.Tensor) -> None:
+    """Point `t`'s storage (and so every view of it) at the first bytes of `buf`, which the
+    caller keeps alive; `t` must be empty (0 bytes) and `buf` at least as large."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        buf.data_ptr(), buf.device, t.numel() * t.element_size())
+    t.untyped_storage()._swap_data_ptr_(storage)
+
+
+def unpoint_storage(t: torch.Tensor) -> None:
+    """Point `t`'s storage away again: empty and resizable, as a freed one."""
+    t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))
 
 
 class FullBuffers:
@@ -53,16 +66,14 @@ class FullBuffers:
     def point(self, t: torch.Tensor) -> torch.Tensor:
         """Give `t`'s (empty, resizable) storage the bytes of a buffer from here; returns the
         buffer, which the caller keeps and gives back with `unpoint`."""
-        need = t.numel() * t.element_size()
-        buf = self._take(need)
-        storage = torch._C._construct_storage_from_data_pointer(buf.data_ptr(), buf.device, need)
-        t.untyped_storage()._swap_data_ptr_(storage)
+        buf = self._take(t.numel() * t.element_size())
+        point_storage(t, buf)
         return buf
 
     def unpoint(self, t: torch.Tensor, buf: torch.Tensor) -> None:
         """Point `t`'s storage away from `buf` (empty and resizable, as freed) and keep `buf`
         for the next unit, within the budget."""
-        t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))
+        unpoint_storage(t)
         if self.kept_bytes + buf.numel() <= self.budget_bytes:
             self._free.append(buf)
 
