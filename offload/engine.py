@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
@@ -269,7 +270,7 @@ class Engine:
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor):
                 dtype = self.dtype if t.is_floating_point() else t.dtype
-                if t.device != self.device or t.dtype != dtype:
+                if not same_device(t.device, self.device) or t.dtype != dtype:
                     flat[i] = t.to(device=self.device, dtype=dtype)
                     changed = True
         return tree_unflatten(flat, spec) if changed else (args, kwargs)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.gather import Gatherer
@@ -278,7 +279,7 @@ class Gathering:
         coll = _dist.collective_device(sh.pg, sh.device)
         for ui, slots in named.items():
             unit = self.units[ui]
-            buf = unit.full if unit.full.device == coll else unit.full.to(coll)
+            buf = unit.full if same_device(unit.full.device, coll) else unit.full.to(coll)
             _dist.broadcast_(buf, src, sh.pg)
             if buf is not unit.full:
                 unit.full.copy_(buf)  # an outer hold reads these values too

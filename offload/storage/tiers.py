@@ -41,6 +41,8 @@ from typing import Any, Hashable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
+from offload.devices import same_device
+
 
 Handle = Optional[Any]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
@@ -113,7 +115,7 @@ class Tier(abc.ABC):
         parameter shard and its fp32 master as one buffer this way."""
         if key in self._shards:
             raise KeyError(f"shard {key!r} is already allocated in the {self.kind} tier")
-        if tensor.device != self.device or not tensor.is_contiguous():
+        if not same_device(tensor.device, self.device) or not tensor.is_contiguous():
             raise ValueError(
                 f"cannot adopt a {tensor.device} / non-contiguous tensor into the {self.kind} tier "
                 f"(needs a contiguous tensor on {self.device})"

@@ -256,7 +256,9 @@ def resolve_device(name: str) -> torch.device:
     """The compute device `config.compute_device` names ('auto', 'cpu', 'cuda': this
     process's current GPU, which `setup_process_group` selected from LOCAL_RANK)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Through the 'cuda' branch, so the device carries its index: torch.device("cuda")
+        # != torch.device("cuda", 0), and every tensor's .device has one (issue #30, F2).
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("compute_device='cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")

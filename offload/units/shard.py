@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.storage.nvme import wait_quietly
 from offload.storage.tiers import Tier, wait
@@ -106,7 +107,7 @@ class FlatUnit:
         # World size 1 with the shard already on the compute device: the shard *is* the
         # full buffer, so gather and free are no-ops and nothing is ever copied.
         self.aliased = (
-            pg.world_size == 1 and shard is not None and shard.device == device
+            pg.world_size == 1 and shard is not None and same_device(shard.device, device)
         )
         self._coll_device = _dist.collective_device(pg, device)
         if self.aliased:
@@ -209,7 +210,7 @@ class FlatUnit:
             self._finish_gather()
             return
         self.alloc_full()
-        if self._coll_device == self.device:
+        if same_device(self._coll_device, self.device):
             _dist.all_gather_into(self.full, self._own_shard(local, filled), self.pg)
         else:
             # gloo with a GPU compute device: gather in host memory, then one copy up.
@@ -238,7 +239,7 @@ class FlatUnit:
             slot.copy_(local)
             return slot
         own = self.tier.view(self.key)
-        if own is not None and own.device == self.device:
+        if own is not None and same_device(own.device, self.device):
             return own
         wait(self.tier.fetch(self.key, slot))  # stage into its slot, then gather in place
         return slot
@@ -252,7 +253,7 @@ class FlatUnit:
         copied before this returns (the caller may reuse its buffer)."""
         if self.state is not UnitState.SHARDED or self.pg.world_size == 1:
             return False
-        if self._coll_device != self.device:
+        if not same_device(self._coll_device, self.device):
             return False
         self.alloc_full()
         n, r = self.layout.shard_numel, self.pg.rank
@@ -433,7 +434,7 @@ class FlatUnit:
         # torch's own getter: per parameter per micro-batch, past UnitParameter's check.
         grads = [_GRAD_OF(p) for p in params]
         have = [g is not None for g in grads]
-        if self.pg.world_size == 1 and grad_shard.device == self.device:
+        if self.pg.world_size == 1 and same_device(grad_shard.device, self.device):
             # One pass per gradient straight into the shard (compute on the CPU): copy on a
             # step's first micro-batch, add on later ones. Alignment gaps are never written
             # and stay zero from allocation.
@@ -459,7 +460,7 @@ class FlatUnit:
                 p.grad = None
         # The collective's output is the whole shard; the gradient shard may be only its
         # prefix (a unit with frozen parameters): then it is copied out on completion.
-        direct = (not accumulate and grad_shard.device == self._coll_device
+        direct = (not accumulate and same_device(grad_shard.device, self._coll_device)
                   and grad_shard.numel() == self.layout.shard_numel)
         out = grad_shard if direct else torch.empty(
             self.layout.shard_numel, dtype=torch.float32, device=self._coll_device

@@ -1,0 +1,42 @@
+"""Devices compared the way tensors report them.
+
+Every tensor's `.device` carries an index (`cuda:0`), while `torch.device("cuda")` has none,
+and the two compare unequal: a check `shard.device == device` against an index-less device
+is False for a shard that does live there (issue #30, F2: device-tier units then copied
+their shard on every use). `canonical` fills the index in; `same_device` compares through
+it. Every device comparison in offload goes through these two.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+__all__ = ["canonical", "same_device"]
+
+DeviceLike = Union[torch.device, str]
+
+
+def canonical(device: DeviceLike) -> torch.device:
+    """`device` with its index: an index-less accelerator device gets the process's current
+    one (`torch.cuda.current_device()` for CUDA), as tensors allocated on it would report.
+    The CPU and meta devices stay index-less (tensors report them so)."""
+    d = torch.device(device)
+    if d.index is not None or d.type in ("cpu", "meta"):
+        return d
+    if d.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    module = getattr(torch, d.type, None)
+    current = getattr(module, "current_device", None)
+    return torch.device(d.type, current()) if callable(current) else d
+
+
+def same_device(a: DeviceLike, b: DeviceLike) -> bool:
+    """Whether `a` and `b` are the same device, an index-less name meaning the current one."""
+    da, db = torch.device(a), torch.device(b)
+    if da.type != db.type:
+        return False
+    if da.index == db.index:
+        return True
+    return canonical(da) == canonical(db)
