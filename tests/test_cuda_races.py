@@ -159,3 +159,80 @@ def test_dropout_masks_survive_activation_offload(monkeypatch):
     ckpt.reset()
     for k in g_torch:
         assert torch.equal(g_off[k], g_torch[k]), k
+
+
+def test_a_unit_being_gathered_is_never_fetched_again():
+    """F1: after its forward, the schedule asks for the units ahead, and one of them may
+    have its all-gather in flight already (issued under the previous unit's compute); a
+    second fetch would copy into the buffer the gather reads (CUDA: and free it). The
+    prefetcher starts fetches for sharded units only."""
+    from offload.runtime.prefetch import Prefetcher
+    from offload.runtime.timeline import Timeline
+    from offload.units.shard import UnitState
+
+    class Tier:
+        addressable = False
+        device = torch.device("cpu")
+        fetched: list = []
+
+        def fetch_ahead(self, key, block):
+            self.fetched.append(key)
+            return None  # no buffer free now
+
+        def keep_after_store(self, keys):
+            pass
+
+    class Unit:
+        def __init__(self, index, state):
+            self.index, self.key, self.state = index, index, state
+            self.tier, self.device = Tier(), torch.device("cpu")
+
+        @property
+        def is_sharded(self):
+            return self.state is UnitState.SHARDED
+
+        @property
+        def is_gathered(self):
+            return self.state is UnitState.GATHERED
+
+    units = [Unit(0, UnitState.GATHERING), Unit(1, UnitState.GATHERED), Unit(2, UnitState.SHARDED)]
+    pf = Prefetcher(units, Tier(), Timeline(False))
+    assert not pf.start(0) and not pf.start(1)
+    assert Tier.fetched == []
+    pf.start_in_order([0, 1, 2])
+    assert Tier.fetched == [2]  # the sharded one only
+
+
+@pytest.mark.cuda
+def test_pinned_buffers_lock_exactly_their_size():
+    """F5: a long-lived pinned buffer holds its size in locked memory, not the next power
+    of two (torch's pinned allocator: 768 MiB + a page would take 1 GiB), and gives it back
+    when its last view goes."""
+    import gc
+
+    from offload.storage.pinned import pinned_empty
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    n = 3 * 2**28 + 4096
+    slack = 64 << 20
+    gc.collect()
+    before = rss()
+    t = pinned_empty(n, torch.float32)
+    grown = rss() - before
+    assert t.is_pinned() and t.data_ptr() % 4096 == 0 and t.numel() * 4 == n
+    assert n - slack <= grown <= n + slack, (grown, n)
+    assert not t[:: 1 << 18].any()  # zero-filled
+    d = torch.randn(n // 4, device="cuda")
+    t.copy_(d, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(t[:1000], d[:1000].cpu())
+    view = t[10:20]
+    del t, d
+    gc.collect()
+    assert rss() - before >= n - slack  # a view keeps the buffer
+    del view
+    gc.collect()
+    assert rss() - before <= slack, rss() - before

@@ -29,6 +29,7 @@ import torch
 
 from offload.optim.kinds import initial_value, resolve_param_groups, state_specs, update_fn
 from offload.sizes import ALIGNMENT, align_up
+from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.tiers import Tier, wait
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
@@ -290,8 +291,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
         if self._staging is None or self._staging.numel() < n or self._staging.dtype != unit.dtype:
-            pin = torch.cuda.is_available()
-            self._staging = torch.empty(n, dtype=unit.dtype, pin_memory=pin)
+            self._staging = (pinned_empty(n * unit.dtype.itemsize, unit.dtype) if torch.cuda.is_available()
+                             else torch.empty(n, dtype=unit.dtype))
         return self._staging[:n]
 
     def _publish(

@@ -92,7 +92,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, cpu_offload: Optional[b
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
     if not offload or not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) for a in args):
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
-    region = _Region(function, args)
+    region = _Region(function, args, preserve_rng=kwargs.get("preserve_rng_state", True))
     return torch_checkpoint.checkpoint(region.run, *region.host_args, use_reentrant=False, **kwargs)
 
 
@@ -100,8 +100,12 @@ class _Region:
     """One checkpointed call: its inputs' host copies and the way back ([Note: activation
     regions])."""
 
-    def __init__(self, function: Callable[..., Any], args: tuple) -> None:
+    def __init__(self, function: Callable[..., Any], args: tuple, preserve_rng: bool = True) -> None:
         self.function = function
+        self.preserve_rng = preserve_rng
+        """torch's `preserve_rng_state`: the recompute draws the forward's random numbers."""
+        self.rng_state: Optional[torch.Tensor] = None
+        """CUDA: the device generator's state when the forward ran."""
         self.device_args: Optional[list[Any]] = list(args)
         """The original inputs, for the forward only; dropped once it ran."""
         self.devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
@@ -136,10 +140,19 @@ class _Region:
     def run(self, *host_args: Any) -> Any:
         if self.device_args is not None:  # the forward: the original inputs
             args, self.device_args = self.device_args, None
+            if self.device is not None and self.preserve_rng:
+                self.rng_state = torch.cuda.get_rng_state(self.device)
             return self.function(*args)
         args = self._bring_back(host_args)
         _prefetch_next_recompute(self)
-        return self.function(*args)
+        if self.rng_state is None:
+            return self.function(*args)
+        # [Note: the GPU's RNG in a region] torch's checkpoint stashes the RNG state of the
+        # devices its inputs are on, and it sees only their host copies: the CUDA generator is
+        # the region's to restore, or dropout draws new masks in the recompute (issue #30, F3).
+        with torch.random.fork_rng(devices=[self.device]):
+            torch.cuda.set_rng_state(self.rng_state, self.device)
+            return self.function(*args)
 
     def _copy_back(self, host_args: tuple) -> list[Any]:
         out = []

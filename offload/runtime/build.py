@@ -42,6 +42,7 @@ from offload.optim.sharded import (
 from offload.runtime.buffers import check_keep_in_fp32, place_buffers
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
+from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
 from offload.storage.state_layout import StateSpec, param_align
 from offload.storage.nvme_tier import make_param_tier
@@ -338,7 +339,8 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
             release_storage(grad)
         else:
             # pinned on a GPU run: the reduce-scattered shard comes down by DMA
-            grad = torch.zeros(grad_numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+            grad = (pinned_empty(grad_numel * 4, torch.float32) if device.type == "cuda"
+                    else torch.zeros(grad_numel, dtype=torch.float32))
         states.append(UnitOptimizerState(
             unit=unit, master=master, grad=grad,
             moments=None if on_nvme else {s.name: _fresh_state(s, n_opt) for s in specs},

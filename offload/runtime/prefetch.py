@@ -81,15 +81,21 @@ class Prefetcher:
     def start(self, index: int, direct: bool = True) -> bool:
         """Begin fetching unit `index` ahead; False when nothing was started (nothing to
         fetch for this tier, already started or gathered, or no buffer free right now).
-        `direct=False`: a `DIRECT` unit reads into a pooled buffer instead (between
-        iterations, so that no full buffer holds memory between steps)."""
+        `direct=False` (between iterations, so that no full buffer holds memory between
+        steps): a `DIRECT` unit reads into a pooled buffer instead, and a `CUDA_COPY` unit,
+        whose copy lands in its full buffer on the GPU, is not started (issue #30, F4).
+        A unit that is gathered or being gathered is never fetched again (F1: a second copy
+        into a buffer a gather is reading)."""
         mode = self.modes[index]
-        if mode is FetchMode.DIRECT and not direct:
-            mode = FetchMode.READ
+        if not direct:
+            if mode is FetchMode.CUDA_COPY:
+                return False
+            if mode is FetchMode.DIRECT:
+                mode = FetchMode.READ
         if mode is FetchMode.NONE or self._live(index) is not None:
             return False
         unit = self.units[index]
-        if unit.is_gathered:
+        if not unit.is_sharded:
             return False
         if mode is FetchMode.READ:
             what = unit.tier.fetch_ahead(unit.key, block=False)
@@ -109,7 +115,7 @@ class Prefetcher:
         and stopping at the first that cannot start now (no buffer, or nothing to fetch for
         this tier): the rest are fetched later or on demand, never out of order."""
         for index in indices:
-            if self._live(index) is not None or self.units[index].is_gathered:
+            if self._live(index) is not None or not self.units[index].is_sharded:
                 continue
             if not self.start(index, direct):
                 break
@@ -274,9 +280,9 @@ class _CudaCopy:
 
     def release(self) -> None:
         """Dropped unused: order the compute stream after the copy, then free the buffer
-        (unless a gather has since made the unit gathered: then the bytes are in use)."""
+        (unless a gather has since used it, or is using it: then the bytes are in use)."""
         self.ready_on_compute_stream()
-        if not self.unit.is_gathered:
+        if self.unit.is_sharded:
             self.unit.free()
 
 
@@ -311,6 +317,6 @@ class _DirectRead:
 
     def release(self) -> None:
         """Dropped unused: free the buffer (after the read lands), unless a gather has since
-        made the unit gathered (then the bytes are in use)."""
-        if not self.unit.is_gathered:
+        used it, or is using it (then the bytes are in use)."""
+        if self.unit.is_sharded:
             self.unit.free()

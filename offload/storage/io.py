@@ -33,6 +33,7 @@ import torch
 
 from offload._native import C
 from offload.sizes import ALIGNMENT, align_up
+from offload.storage.pinned import pinned_empty
 
 __all__ = [
     "AIOHandle",
@@ -105,9 +106,8 @@ def aligned_empty(
     if pin is None:
         pin = torch.cuda.is_available()
     if pin:
-        # cudaHostAlloc memory is page-aligned; allocate exactly (torch's pinned allocator
-        # rounds sizes up to a power of two, so over-allocating could double the footprint).
-        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Page-aligned and locked at exactly its size ([Note: exact pinned memory]).
+        raw = pinned_empty(nbytes)
         if raw.data_ptr() % ALIGNMENT == 0:
             return raw.view(dtype)
     # The CPU allocator aligns to 64 bytes only: over-allocate one page and start at the first

@@ -42,6 +42,7 @@ from typing import Any, Hashable, Iterable, Iterator, Optional, Protocol
 import torch
 
 from offload.devices import same_device
+from offload.storage.pinned import pinned_empty
 
 
 Handle = Optional[Any]
@@ -243,9 +244,9 @@ class HostTier(Tier):
         return torch.device("cpu")
 
     def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
-        t.zero_()
-        return t
+        if self.pin_memory:  # locked at exactly its size, zero-filled ([Note: exact pinned memory])
+            return pinned_empty(numel * dtype.itemsize, dtype)
+        return torch.zeros(numel, dtype=dtype)
 
 
 def _check_same_size(key: Hashable, shard: torch.Tensor, buf: torch.Tensor) -> None:

@@ -275,6 +275,12 @@ class FlatUnit:
     def gathering(self) -> bool:
         return self.state is UnitState.GATHERING
 
+    @property
+    def is_sharded(self) -> bool:
+        """Only the shard exists: nothing gathered, no gather in flight (the one state in
+        which fetching the shard ahead makes sense)."""
+        return self.state is UnitState.SHARDED
+
     def free(self) -> None:
         """Release the full buffer (idempotent; a no-op when aliased to the shard, and for a
         resident unit: stages 1 and 2). Also releases bytes a dropped prefetch allocated. A
