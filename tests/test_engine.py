@@ -609,7 +609,9 @@ def test_cuda_matches_plain_adamw(dtype, param_tier):
         gradient_clipping=0.05,
     )
     sd, info = engine_train("gpt", cfg)
-    assert info["memory"]["device"] > 0
+    # Between steps the GPU holds the device tier's shards, and nothing of the host tier's
+    # (no full buffer is prefetched across the step: issue #30, F4).
+    assert (info["memory"]["device"] > 0) == (param_tier == "device"), info["memory"]
     if dtype == "fp32":
         # cuBLAS sums in another order than the CPU's GEMMs: one more fp32 realisation,
         # judged against the CPU's measured fp32 noise like every other.
