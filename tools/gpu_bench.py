@@ -302,6 +302,8 @@ def summarise(c: Contender, device: torch.device, meta_model, torch_ms: Optional
             row["practicality"] = torch_ms / row["step_ms"]
     if c.stall:
         row["stall_pct"] = 100 * statistics.median(c.stall)
+    if hasattr(c, "gpu_peak"):
+        row["gpu_peak_allocated_bytes"] = c.gpu_peak
     st = c.stats()
     if st:
         row["last_step_stats"] = st
@@ -321,8 +323,12 @@ def run_rounds(contenders: list[Contender], rounds: int, res: Results, key: str,
     """Interleaved rounds (A B C, A B C, ...); the table is rewritten after each round."""
     for r in range(rounds):
         for c in contenders:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t = c.step()
             c.times.append(t)
+            if device.type == "cuda":  # this contender's own peak (the process holds every contender)
+                c.gpu_peak = max(getattr(c, "gpu_peak", 0), torch.cuda.max_memory_allocated(device))
             st = c.stats()
             if st and st.get("step_s"):
                 c.stall.append(st["stall_s"] / st["step_s"])

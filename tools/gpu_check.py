@@ -242,7 +242,7 @@ def table(results: dict[str, Any]) -> str:
                      + (f", {data.get('training_state_over_gpu', 0):.2f}x GPU memory in training state, "
                         f"placement {data.get('placement')}" if name == "scale" else ""))
         lines.append(f"  {'contender':<22} {'step ms':>9} {'practical':>9} {'stall %':>8} {'dev GiB':>8} "
-                     f"{'host GiB':>8} {'plan dev':>8} {'plan host':>9}")
+                     f"{'host GiB':>8} {'plan dev':>8} {'plan host':>9} {'peak GPU':>8}")
         for cname, r in rows.items():
             if cname.startswith("_") or not isinstance(r, dict):
                 continue
@@ -250,7 +250,8 @@ def table(results: dict[str, Any]) -> str:
             plan = plan if isinstance(plan, dict) else {}
             lines.append(f"  {cname:<22} {_f(r.get('step_ms')):>9} {_f(r.get('practicality'), '{:.3f}'):>9} "
                          f"{_f(r.get('stall_pct')):>8} {_gib(mem.get('device')):>8} {_gib(mem.get('host')):>8} "
-                         f"{_gib(plan.get('device')):>8} {_gib(plan.get('host')):>9}")
+                         f"{_gib(plan.get('device')):>8} {_gib(plan.get('host')):>9} "
+                         f"{_gib(r.get('gpu_peak_allocated_bytes')):>8}")
         lines.append(f"  GPU max reserved {_gib(rows.get('_gpu_max_reserved_bytes'))} GiB, "
                      f"host RSS {_gib(rows.get('_host_rss_bytes'))} GiB")
         if name == "scale" and "model_tflops" in rows:
