@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
@@ -42,6 +41,7 @@ from offload.runtime.lifecycle import (
     EngineState,
     bind,
     bind0,
+    cast_inputs,
     check_weights_present,
     forward_of_a_closed_model,
     released_parameters,
@@ -153,7 +153,8 @@ class Engine:
         self.policy = StepPolicy(config, self.dtype, self.optimizer, self.states, self.pg,
                                  self.device, self.timeline, self.nvme, built.transient_grads)
         self.backward_tracker = BackwardTracker(self.units, self.states, built.transient_grads,
-                                                self.timeline, self.gather.compute_started)
+                                                self.timeline, self.gather.compute_started,
+                                                share_scratch=self.policy.worker is None)
         self.policy.lr_scheduler = resolve_scheduler(self.optimizer, lr_scheduler, config.scheduler)
         self.grads = Gradients(model, self.units, self.states, self.policy, self.pg, self.device)
         self.sharded_state = ShardedState(
@@ -191,7 +192,7 @@ class Engine:
         if unit.index == ROOT and not tracker.active:
             self._check_ready("the model's forward")
             self.grads.check_requires_grad()  # [Note: requires_grad after initialize]
-            args, kwargs = self._cast_inputs(args, kwargs)
+            args, kwargs = cast_inputs(args, kwargs, self.device, self.dtype)
             self.gather.begin_iteration(self.policy.step_index, self.module.training)
         self.gather.use(unit, Phase.RECOMPUTE if tracker.active else Phase.FORWARD)
         if tracker.is_recomputation(unit) or not torch.is_grad_enabled():
@@ -230,6 +231,9 @@ class Engine:
             if self.policy.start_backward() is StepMode.IN_BACKWARD:
                 # The last units updated are the next forward's first: keep their new shards.
                 self.gather.keep_new_shards_for_next_iteration()
+            # With the optimizer worker, gradient shards come down from the GPU on a side
+            # stream; the worker waits for each (offload/runtime/optimizer_worker.py).
+            self.backward_tracker.async_grads = self.policy.async_updates and self.device.type == "cuda"
         self.gather.use(unit, Phase.BACKWARD)
         self.backward_tracker.entered(unit)
         if self.policy.mode is StepMode.IN_BACKWARD:
@@ -260,20 +264,10 @@ class Engine:
             self.gather.prefetch_next_iteration()  # the next micro-batch sees the same shards
 
     def _abort_backward(self) -> None:
+        self.policy.settle()  # the worker's updates end first; the backward's own error is raised
         self.gather.abort()
         self.backward_tracker.abort()
         self.policy.mode = StepMode.AT_STEP
-
-    def _cast_inputs(self, args: Any, kwargs: Any) -> Any:
-        flat, spec = tree_flatten((args, kwargs))
-        changed = False
-        for i, t in enumerate(flat):
-            if isinstance(t, torch.Tensor):
-                dtype = self.dtype if t.is_floating_point() else t.dtype
-                if not same_device(t.device, self.device) or t.dtype != dtype:
-                    flat[i] = t.to(device=self.device, dtype=dtype)
-                    changed = True
-        return tree_unflatten(flat, spec) if changed else (args, kwargs)
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -367,7 +361,13 @@ class Engine:
         self.policy.reset()
         self.gather.drop()
 
+    def _settle(self) -> None:
+        """Wait for the optimizer worker; an update that failed there part-applied the step."""
+        if (err := self.policy.settle()) is not None and self.state is EngineState.READY:
+            self._fail(err)
+
     def _check_ready(self, what: str) -> None:
+        self._settle()
         if self.state is EngineState.READY:
             # A write that failed after its step returned (it surfaced in a later forward's
             # read, say) lost a shard just the same.
@@ -467,6 +467,7 @@ class Engine:
     # -- weights in and out: gathered on purpose (offload/runtime/gathered.py), full weights --
     def gathered(self, params_or_modules: Any = None, modifier_rank: Optional[int] = None) -> Any:
         """A context with full parameters on every rank: offload/runtime/gathered.py."""
+        self._settle()
         return self.gathering.context(params_or_modules, modifier_rank, self._failure)
 
     @torch.no_grad()
@@ -480,6 +481,7 @@ class Engine:
         (`offload.checkpoint.full_weights`)."""
         from offload.checkpoint.full_weights import full_state_dict
 
+        self._settle()
         return full_state_dict(self.sharded_state, rank0_only)
 
     @torch.no_grad()
@@ -526,6 +528,7 @@ class Engine:
         checksums are verified either way. See docs/checkpoint.md."""
         from offload.checkpoint import load_checkpoint
 
+        self._settle()
         if self.state is EngineState.FAILED or self._lost_write() is not None:
             self._recover()
         self.gather.drop()  # shards fetched ahead are about to go stale
@@ -555,6 +558,8 @@ class Engine:
         engine started it. Idempotent; also what `with initialize(...) as engine:` does on
         exit."""
         LIVE_ENGINES.discard(self)
+        if getattr(self, "policy", None) is not None:  # the worker's updates land first
+            self.policy.close()
         if getattr(self, "reporter", None) is not None:
             self.reporter.close()  # monitors flush and close
         remove_hooks(self._hooks)

@@ -370,6 +370,12 @@ class PrefetchConfig(Section):
     clipping (which needs the global norm) and no fp16 (whose overflow check needs every
     gradient); otherwise the update runs in `engine.step()`. The learning rate and other
     hyperparameters are then read at backward: change them before `engine.backward`."""
+    optimizer_worker: Literal["auto", "on", "off"] = "auto"
+    """Where those updates run (offload/runtime/optimizer_worker.py): "on", a thread of
+    their own while autograd goes on (on a GPU, gradients come down asynchronously and the
+    step is about max(GPU, PCIe, CPU Adam) instead of their sum); "off", autograd's thread;
+    "auto", on with a CUDA compute device and no NVMe tier, off on the CPU (where the
+    update and the backward compete for the same cores). Bit-identical either way."""
 
     def _check(self) -> None:
         for name in ("prefetch_bytes", "keep_bytes"):

@@ -85,6 +85,10 @@ class UnitOptimizerState:
     """False until the first micro-batch of a step writes `grad` (then later ones add)."""
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
+    grad_ready: Any = None
+    """A CUDA event after which `grad` holds this step's reduction (its copy down from the
+    GPU runs on a side stream: `GradReduce.wait(host_async=True)`), or None when it holds it
+    already. Only the optimizer worker reads `grad` before that event."""
 
     @property
     def layout(self) -> UnitLayout:
@@ -168,7 +172,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_tier = param_tier
         self._adam_fn = adam_fn
         self._threads = int(threads)
-        self._staging: Optional[torch.Tensor] = None
+        self._staging: list[Optional[torch.Tensor]] = [None, None]
+        """Two pinned host buffers the new low-precision shard of a device-tier unit is
+        written to, then uploaded from on `_upload_stream` (double-buffered: the update of
+        the next unit writes the other while this one's upload runs; F9)."""
+        self._staging_done: list[Any] = [None, None]
+        """Per staging buffer, the event after its last upload (None: never uploaded)."""
+        self._staging_next = 0
+        self._upload_stream: Any = None
         self._work = [
             i for i, st in enumerate(self.unit_states) if st.layout.has_optimized
         ]
@@ -290,10 +301,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         n = unit.master_numel
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
-        if self._staging is None or self._staging.numel() < n or self._staging.dtype != unit.dtype:
-            self._staging = (pinned_empty(n * unit.dtype.itemsize, unit.dtype) if torch.cuda.is_available()
-                             else torch.empty(n, dtype=unit.dtype))
-        return self._staging[:n]
+        b = self._staging_next
+        self._staging_next ^= 1
+        if self._staging_done[b] is not None:  # its upload two units ago has read it
+            done, self._staging_done[b] = self._staging_done[b], None
+            done.synchronize()
+        buf = self._staging[b]
+        if buf is None or buf.numel() < n or buf.dtype != unit.dtype:
+            # As large as the largest shard at once, so both buffers hold the same bytes
+            # whatever the update order (the planner counts 2 x the largest shard).
+            size = max(n, max((st.unit.master_numel for st in self.unit_states if st.layout.has_optimized),
+                              default=0))
+            buf = self._staging[b] = (pinned_empty(size * unit.dtype.itemsize, unit.dtype)
+                                      if torch.cuda.is_available() else torch.empty(size, dtype=unit.dtype))
+        self._staging_in_use = b
+        return buf[:n]
 
     def _publish(
         self, st: UnitOptimizerState, t: UnitTensors, lowp: Optional[torch.Tensor], updated: bool
@@ -305,14 +327,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unit.dtype == torch.float32:
             if shard is None or shard.data_ptr() != t.master.data_ptr():
                 self._store(t, unit, t.master)
+        elif shard is not None and shard.device.type == "cuda" and lowp.is_pinned():
+            self._upload(t, unit, lowp, shard.device)
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
             self._store(t, unit, lowp)
-            if lowp.is_pinned() and shard is not None and shard.device.type == "cuda":
-                # The staging buffer is reused by the next unit: its asynchronous upload
-                # must have finished reading it. (Double-buffering is the scheduler's job.)
-                torch.cuda.current_stream(shard.device).synchronize()
         # A unit that stays gathered (world size 1, aliased) already sees the new values;
         # any other is re-gathered from the updated shard before its next use.
+
+    def _upload(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor, device: torch.device) -> None:
+        """Copy a staged shard up on the upload stream, after the compute stream's work so
+        far (which may still read the old values); the compute stream waits for it at
+        `settle_uploads`, and the staging buffer is reused once its event has passed: no
+        host wait here (issue #30, F9: a compute-stream sync per unit)."""
+        if self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(device)
+        stream = self._upload_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._store(t, unit, src)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._staging_done[self._staging_in_use] = done
+
+    def settle_uploads(self) -> None:
+        """Order the compute stream after every upload issued so far (before the next use of
+        a device-tier shard: the next forward, a checkpoint, a state dict)."""
+        if self._upload_stream is not None:
+            torch.cuda.current_stream(self._upload_stream.device).wait_stream(self._upload_stream)
 
     def _store(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor) -> None:
         handle = self.param_tier.store_prefix(unit.key, src)  # the master's part of the shard
@@ -407,10 +448,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raise KeyError(f"no unit with index {index} (this engine has {len(self.unit_states)} units)")
 
     @property
-    def staging_buffer(self) -> Optional[torch.Tensor]:
-        """The host buffer new low-precision shards are staged in before they go to a
-        device tier (None until first needed): counted by the engine's accounting."""
-        return self._staging
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The host buffers new low-precision shards are staged in before they go to a
+        device tier (none until first needed): counted by the engine's accounting."""
+        return [b for b in self._staging if b is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """For loops written for a plain optimizer: gradients live in the engine's shards and

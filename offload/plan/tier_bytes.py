@@ -175,9 +175,10 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
       (at world size 1 with the shard on the compute device the full buffer is the shard:
       nothing more, at any stage).
     - buffers: on the compute device.
-    - the optimizer's low-precision staging buffer (one largest shard, host) exists when
-      the parameter shard is GPU memory and the optimizer state is in host memory; with an
-      NVMe tier the new shard is written into the staging pool's scratch instead.
+    - the optimizer's two low-precision staging buffers (each one largest shard, host:
+      double-buffered uploads) exist when the parameter shard is GPU memory and the
+      optimizer state is in host memory; with an NVMe tier the new shard is written into
+      the staging pool's scratch instead.
     - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
     """
     dev = host = nvme = 0
@@ -215,7 +216,7 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
     if stage < 3 and not (world_size == 1 and shard_on_compute):
         dev += sum(u.layout.padded_numel * p_bytes for u in spec.units)  # resident full buffers
     dev += spec.buffer_bytes
-    host += staging
+    host += 2 * staging
     pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0
     return TierBytes(dev, host, pinned, nvme)
 

@@ -41,8 +41,7 @@ def memory_bytes(state: ShardedState) -> dict[str, int]:
         add("device", unit.full)
     for b in state.module.buffers():
         add("device", b)
-    staging = state.optimizer.staging_buffer
-    if staging is not None:
+    for staging in state.optimizer.staging_buffers:
         add("host", staging)
     if state.nvme is not None:
         out["pinned"] = state.nvme.staging.pool.bytes_reserved

@@ -92,7 +92,8 @@ class BackwardTracker:
     """Per-unit pass state and the gradient reduce-scatters in flight."""
 
     def __init__(self, units: list[FlatUnit], states: list[Any], transient_grads: bool,
-                 timeline: Timeline, compute_started: Callable[[FlatUnit], float]) -> None:
+                 timeline: Timeline, compute_started: Callable[[FlatUnit], float],
+                 share_scratch: bool = True) -> None:
         self.units = units
         self.states = states
         self.transient_grads = transient_grads
@@ -104,9 +105,13 @@ class BackwardTracker:
         """Gradient reduce-scatters issued, not yet completed, with when they were issued."""
         self.world_size = units[0].pg.world_size if units else 1
         self.rank = units[0].pg.rank if units else 0
-        self.scratch = GradScratch(states, enabled=transient_grads and self.world_size == 1)
+        self.async_grads = False
+        """This pass's gradient shards come down from the GPU asynchronously (set per pass
+        by the engine: with the optimizer worker): the shard's `grad_ready` event says when."""
+        self.scratch = GradScratch(states, enabled=share_scratch and transient_grads and self.world_size == 1)
         """Memory for transient gradient shards ([Note: one scratch for transient gradient
-        shards])."""
+        shards]); not shared when the optimizer worker updates one unit while the next is
+        reduced (`share_scratch` False)."""
 
     @property
     def active(self) -> bool:
@@ -198,7 +203,7 @@ class BackwardTracker:
         while len(self._reduces) > keep:
             unit, red, issued = self._reduces.pop(0)
             t0 = now()
-            red.wait()
+            self.states[unit.index].grad_ready = red.wait(host_async=self.async_grads)
             t1 = now()
             self.timeline.count("collective", t1 - t0)
             self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)

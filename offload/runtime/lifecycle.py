@@ -12,7 +12,11 @@ import enum
 import weakref
 from typing import Any, Callable
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload.devices import same_device
 
 __all__ = ["EngineState"]
 
@@ -107,3 +111,17 @@ def remove_hooks(handles: list[Any]) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+def cast_inputs(args: Any, kwargs: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The model's inputs on the compute device, floating-point ones in the compute dtype
+    (the root unit's pre-forward); the same objects when nothing needed moving."""
+    flat, spec = tree_flatten((args, kwargs))
+    changed = False
+    for i, t in enumerate(flat):
+        if isinstance(t, torch.Tensor):
+            want = dtype if t.is_floating_point() else t.dtype
+            if not same_device(t.device, device) or t.dtype != want:
+                flat[i] = t.to(device=device, dtype=want)
+                changed = True
+    return tree_unflatten(flat, spec) if changed else (args, kwargs)

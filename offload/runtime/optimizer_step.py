@@ -35,6 +35,7 @@ import torch
 from offload.optim.kinds import HYPERPARAMS
 from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
+from offload.runtime.optimizer_worker import OptimizerWorker
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import StepCounters
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
@@ -42,7 +43,7 @@ from offload.units.shard import FlatUnit
 
 logger = logging.getLogger("offload.engine")
 
-__all__ = ["StepMode", "StepPolicy"]
+__all__ = ["StepMode", "StepPolicy", "uses_worker"]
 
 
 class StepMode(enum.Enum):
@@ -90,6 +91,10 @@ class StepPolicy:
         self.clip_request: Optional[float] = None
         """The max_norm of `engine.clip_grad_norm_` for this step (replaces
         config.gradient_clipping for it)."""
+        self.worker: Optional[OptimizerWorker] = (
+            OptimizerWorker() if uses_worker(config, device, nvme is not None) else None)
+        """Runs the updates during backward off autograd's thread (`prefetch.optimizer_worker`:
+        offload/runtime/optimizer_worker.py); None: they run where they are asked for."""
 
     # -- micro-batches -------------------------------------------------------------------
 
@@ -160,8 +165,30 @@ class StepPolicy:
                 "loops, or call engine.step() after each engine.backward()"
             )
 
+    @property
+    def async_updates(self) -> bool:
+        """Updates during this backward run on the worker (gradients may come down
+        asynchronously: `st.grad_ready`)."""
+        return self.worker is not None and self.mode is StepMode.IN_BACKWARD
+
+    def settle(self) -> Optional[BaseException]:
+        """Wait for the updates the worker runs, and for their uploads to the device; returns
+        the error of one that failed (the step is then part-applied), or None. Called before
+        anything reads or writes what an update touches."""
+        err = self.worker.settle() if self.worker is not None else None
+        self.optimizer.settle_uploads()
+        return err
+
+    def close(self) -> None:
+        """Let the worker's updates land, then stop it."""
+        self.settle()
+        if self.worker is not None:
+            self.worker.close()
+
     def update_in_backward(self, unit: FlatUnit) -> None:
-        """Update `unit` now: its gradient shard is final."""
+        """Update `unit`, whose gradient shard is final: now, or on the worker (the
+        collective that agrees on its gradient-less parameters runs here first: every rank
+        reduces units in the same order)."""
         st = self.states[unit.index]
         tl = self.timeline
         if self.pg.world_size > 1:
@@ -174,6 +201,19 @@ class StepPolicy:
             tl.count("collective", now() - t0)
         if self._hyper_at_backward is None:
             self._hyper_at_backward = self._hyperparameters()
+        if self.worker is None:
+            self._update_unit(unit, st)
+        else:
+            self.worker.submit(lambda: self._update_unit(unit, st))
+        self.updated.add(unit.index)
+        self.pass_updates += 1
+
+    def _update_unit(self, unit: FlatUnit, st: Any) -> None:
+        """One unit's update during backward (on the worker, or autograd's thread)."""
+        tl = self.timeline
+        if st.grad_ready is not None:  # its gradient shard is still coming down from the GPU
+            ready, st.grad_ready = st.grad_ready, None
+            ready.synchronize()
         io0 = self._io_wait()
         t0 = now()
         sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
@@ -183,8 +223,6 @@ class StepPolicy:
             unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         )
         t1 = now()
-        self.updated.add(unit.index)
-        self.pass_updates += 1
         if self.transient_grads:
             release_grad(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
         tl.count("optimizer", t1 - t0)
@@ -201,6 +239,12 @@ class StepPolicy:
     def apply(self) -> Optional[FloatingPointError]:
         """Apply (or skip) the optimizer step at a boundary; returns the error to raise once
         the step's bookkeeping is done (nonfinite_loss='raise' and a non-finite norm)."""
+        t0 = now()
+        err = self.settle()  # the updates the worker runs for this step's backward
+        if self.worker is not None:
+            self.timeline.count("optimizer_wait", now() - t0)
+        if err is not None:
+            raise err
         skip = self.updated
         # NVMe: the first units' state reads run under the overflow check and the norm.
         self.optimizer.prefetch(skip)
@@ -258,6 +302,7 @@ class StepPolicy:
         tl.count("optimizer", now() - t0)
         if self.nvme is not None:
             tl.count("optimizer_io", self._io_wait() - io0)
+        self.optimizer.settle_uploads()  # the next forward reads what the step uploaded
         self._check_hyperparameters()
         self.updated = set()
         self.mode = StepMode.AT_STEP
@@ -374,6 +419,16 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
+
+
+def uses_worker(config: Any, device: torch.device, nvme: bool) -> bool:
+    """`prefetch.optimizer_worker`: "auto" runs the updates during backward on the worker
+    with a CUDA compute device and no NVMe tier (whose stores and reads stay on the engine's
+    thread), and on autograd's thread on the CPU, where both compete for the same cores."""
+    choice = config.prefetch.optimizer_worker
+    if choice == "auto":
+        return device.type == "cuda" and not nvme
+    return choice == "on"
 
 
 def _sum_of_squares(st: Any) -> Optional[torch.Tensor]:

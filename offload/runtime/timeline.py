@@ -82,6 +82,9 @@ class StepStats:
     """The part of `optimizer_s` that ran during backward (overlapping it)."""
     optimizer_in_backward_units: int = 0
     """Units whose update ran during backward (optimizer overlapped with backward)."""
+    optimizer_wait_s: float = 0.0
+    """The engine's thread waiting in `step()` for the optimizer worker to finish this
+    step's updates during backward: the part of their time the backward did not hide."""
     prefetched: int = 0
     """Shard fetches that were issued ahead of their use."""
     on_demand: int = 0
@@ -108,6 +111,7 @@ class StepStats:
             "optimizer_s": self.optimizer_s,
             "optimizer_in_backward_s": self.optimizer_in_backward_s,
             "optimizer_in_backward_units": self.optimizer_in_backward_units,
+            "optimizer_wait_s": self.optimizer_wait_s,
             "prefetched": self.prefetched,
             "on_demand": self.on_demand,
             "off_trace": self.off_trace,

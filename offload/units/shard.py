@@ -468,6 +468,10 @@ class FlatUnit:
         # prefix (a unit with frozen parameters): then it is copied out on completion.
         direct = (not accumulate and same_device(grad_shard.device, self._coll_device)
                   and grad_shard.numel() == self.layout.shard_numel)
+        if self.pg.world_size == 1 and not direct:
+            # No collective: the flat buffer is the result, copied out from where it is (no
+            # second buffer of its size on the device: issue #30, F6).
+            return GradReduce(have, None, None, (flat[: self.layout.shard_numel], grad_shard, accumulate))
         out = grad_shard if direct else torch.empty(
             self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
         )
@@ -498,7 +502,11 @@ class GradReduce:
         self._flat = flat  # the collective's input: alive until it completes
         self._finish = finish
 
-    def wait(self) -> None:
+    def wait(self, host_async: bool = False) -> Any:
+        """Complete the reduction into the gradient shard. Returns None when the shard holds
+        it now; with `host_async`, a GPU result bound for a pinned host shard is copied on a
+        side stream instead, and the returned CUDA event marks when the shard holds it (the
+        optimizer worker waits for it; nothing else reads the shard before)."""
         if self._work is not None:
             work, self._work = self._work, None
             work.wait()
@@ -506,10 +514,34 @@ class GradReduce:
         if self._finish is not None:
             (out, grad_shard, accumulate), self._finish = self._finish, None
             out = out[: grad_shard.numel()]
+            if (host_async and not accumulate and out.is_cuda and grad_shard.device.type == "cpu"
+                    and grad_shard.is_pinned()):
+                return _copy_down(out, grad_shard)
             if accumulate:
                 grad_shard.add_(out.to(grad_shard.device))
             else:
                 grad_shard.copy_(out)
+        return None
+
+
+_D2H_STREAMS: dict[Any, Any] = {}
+
+
+def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> Any:
+    """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
+    compute stream's work so far; returns the event recorded after the copy. `src` is kept
+    from reuse until the copy has read it (`record_stream`)."""
+    device = src.device
+    stream = _D2H_STREAMS.get(device)
+    if stream is None:
+        stream = _D2H_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    src.record_stream(stream)
+    return event
 
 
 def _free_storage(t: torch.Tensor) -> None:
