@@ -30,7 +30,7 @@ def test_dry_run_runs_every_phase(tmp_path):
     # the cuda tests were collected (and skipped here), not silently absent
     assert phases["cuda_tests"]["skipped"] >= 10 and phases["races"]["skipped"] >= 3
     rows = phases["practicality"]["data"]["contenders"]
-    for name in ("torch", "offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu"):
+    for name in ("torch", "offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu", "offload_device_cpu_worker_off"):
         assert rows[name]["step_ms"] > 0, name
     for name in ("offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu"):
         assert 0 < rows[name]["practicality"], name

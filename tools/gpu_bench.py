@@ -202,8 +202,10 @@ def make_gpt(n_layer: int, d: int, heads: int, vocab: int, seq: int, meta: bool 
 
 
 def engine_config(device: torch.device, param_tier: str, optimizer_tier: str, nvme_path: Optional[str],
-                  moments: str = "fp32", timeline: bool = True, pinned_gib: float = 4.0):
-    from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig, TimelineConfig
+                  moments: str = "fp32", timeline: bool = True, pinned_gib: float = 4.0, worker: str = "auto"):
+    from offload.config import (
+        Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig, TimelineConfig,
+    )
 
     return Config(
         compute_device=device.type,
@@ -212,6 +214,7 @@ def engine_config(device: torch.device, param_tier: str, optimizer_tier: str, nv
         offload=OffloadConfig(param_tier=param_tier, optimizer_tier=optimizer_tier, nvme_path=nvme_path,
                               pinned_budget_bytes=int(pinned_gib * GIB)),
         timeline=TimelineConfig(enabled=timeline),
+        prefetch=PrefetchConfig(optimizer_worker=worker),
     )
 
 
@@ -270,13 +273,13 @@ def torch_contender(base, batch, device: torch.device) -> Contender:
 
 
 def engine_contender(name: str, base, batch, device: torch.device, param_tier: str, optimizer_tier: str,
-                     nvme_root: str, moments: str = "fp32", meta_model=None) -> Contender:
+                     nvme_root: str, moments: str = "fp32", meta_model=None, worker: str = "auto") -> Contender:
     import offload
 
     nvme = os.path.join(nvme_root, name) if "nvme" in (param_tier, optimizer_tier) else None
     if nvme:
         os.makedirs(nvme, exist_ok=True)
-    cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments)
+    cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments, worker=worker)
     engine = offload.initialize(copy.deepcopy(base) if meta_model is None else base, cfg)
     x, y = batch
 
@@ -357,12 +360,14 @@ def phase_practicality(args: argparse.Namespace, res: Results) -> None:
     res.put(params=sum(p.numel() for p in base.parameters()), build_s=time.perf_counter() - t0)
     batch = gpt_batches(1, batch=bsz, seq=seq, vocab=vocab)[0]
     contenders = []
-    tiers = [t.split("/") for t in args.tiers.split(",") if t]
     setups: list[tuple[str, Callable[[], Contender]]] = [("torch", lambda: torch_contender(base, batch, device))]
-    for pt, ot in tiers:
-        nm = f"offload_{pt}_{ot}"
-        setups.append((nm, lambda pt=pt, ot=ot, nm=nm: engine_contender(nm, base, batch, device, pt, ot,
-                                                                       args.nvme_path)))
+    for spec in (t for t in args.tiers.split(",") if t):
+        # param_tier/optimizer_tier, optionally @on|@off: prefetch.optimizer_worker (default auto)
+        tiers, _, worker = spec.partition("@")
+        pt, ot = tiers.split("/")
+        nm = f"offload_{pt}_{ot}" + (f"_worker_{worker}" if worker else "")
+        setups.append((nm, lambda pt=pt, ot=ot, nm=nm, w=worker or "auto": engine_contender(
+            nm, base, batch, device, pt, ot, args.nvme_path, worker=w)))
     failed = {}
     for nm, setup in setups:
         t0 = time.perf_counter()
@@ -474,8 +479,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--model", default="1.3b", choices=sorted(MODELS))
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu",
-                   help="offload contenders as param_tier/optimizer_tier, comma-separated")
+    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@off",
+                   help="offload contenders as param_tier/optimizer_tier[@on|@off] (the optimizer "
+                        "worker; default auto), comma-separated")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mult", type=float, default=2.0, help="scale: training state / GPU memory")

@@ -241,14 +241,14 @@ def table(results: dict[str, Any]) -> str:
                      f"{data.get('batch')} x {data.get('seq')} tokens, rounds {data.get('rounds_done')}"
                      + (f", {data.get('training_state_over_gpu', 0):.2f}x GPU memory in training state, "
                         f"placement {data.get('placement')}" if name == "scale" else ""))
-        lines.append(f"  {'contender':<22} {'step ms':>9} {'practical':>9} {'stall %':>8} {'dev GiB':>8} "
+        lines.append(f"  {'contender':<30} {'step ms':>9} {'practical':>9} {'stall %':>8} {'dev GiB':>8} "
                      f"{'host GiB':>8} {'plan dev':>8} {'plan host':>9} {'peak GPU':>8}")
         for cname, r in rows.items():
             if cname.startswith("_") or not isinstance(r, dict):
                 continue
             mem, plan = r.get("memory_bytes", {}), r.get("planner", {})
             plan = plan if isinstance(plan, dict) else {}
-            lines.append(f"  {cname:<22} {_f(r.get('step_ms')):>9} {_f(r.get('practicality'), '{:.3f}'):>9} "
+            lines.append(f"  {cname:<30} {_f(r.get('step_ms')):>9} {_f(r.get('practicality'), '{:.3f}'):>9} "
                          f"{_f(r.get('stall_pct')):>8} {_gib(mem.get('device')):>8} {_gib(mem.get('host')):>8} "
                          f"{_gib(plan.get('device')):>8} {_gib(plan.get('host')):>9} "
                          f"{_gib(r.get('gpu_peak_allocated_bytes')):>8}")
@@ -268,7 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {','.join(PHASES)}")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run (default 8 minutes)")
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=S", help="one phase's timeout")
-    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu", help="practicality's offload contenders")
+    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@off",
+                   help="practicality's offload contenders: param_tier/optimizer_tier[@on|@off] (the optimizer worker)")
     p.add_argument("--mult", type=float, default=2.0, help="scale: training state / GPU memory")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe tiers (default: under $TMPDIR)")
     p.add_argument("--out", default=None, help="where gpu_check.json/.log go (default: $OUT, or a temp dir)")
