@@ -6,7 +6,9 @@ plain PyTorch training of the same model (fused AdamW) and against the other off
 engines, when compute runs on this machine (the CPU, or a GPU if one is present)?
 
 Contenders (same GPT model and batches, one training step per sample, interleaved):
-- torch:     plain model, torch.optim.AdamW(fused=True) (foreach where fused is missing)
+- torch:     plain model, torch.optim.AdamW(fused=True) (foreach where fused is missing);
+             fp32 parameters, the forward under torch.autocast at --dtype bf16 (and fp16 with
+             a GradScaler on CUDA), so both sides compute in the same dtype (TorchPrecision)
 - engine:    offload.initialize(model, Config(...)): ZeRO-3 units, fp32 master + Adam in
              CPU memory (world size 1)
 - engine_nvme_opt: the same with offload.optimizer_tier='nvme' (master + moments in a swap
@@ -58,11 +60,13 @@ trace, PREFIX-<contender>.json.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import warnings
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,6 +104,47 @@ def _bytes(tensors) -> int:
 
 def _mib(n) -> float | None:
     return None if n is None else n / MiB
+
+
+@dataclass(frozen=True)
+class TorchPrecision:
+    """How the plain-PyTorch contenders (torch, torch_lora) compute at --dtype: fp32
+    parameters and AdamW, the forward under `torch.autocast` at the engine's compute dtype
+    (torch's own mixed precision: the comparison an engine user would make), fp16 with a
+    GradScaler. Without it a GPU run timed an fp32 PyTorch step against a bf16 engine step,
+    which flattered the engine (issue #30). `torch_precision` picks it."""
+
+    device_type: str
+    dtype: Optional[torch.dtype]
+    """autocast's dtype; None: no autocast (everything in fp32)."""
+    grad_scaler: bool
+    """Scale the loss with a torch.amp.GradScaler (fp16 on CUDA)."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the contender's forward runs in: none at all when `dtype` is None
+        (the fp32 step exactly as before)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "fp32 compute (no autocast)"
+        name = str(self.dtype).replace("torch.", "")
+        return f"{name} autocast on {self.device_type}" + (" + GradScaler" if self.grad_scaler else "")
+
+
+def torch_precision(dtype: str, device: torch.device) -> TorchPrecision:
+    """The plain-PyTorch contenders' precision for `--dtype` on `device`. CUDA: bf16 / fp16
+    under autocast (fp16 with a GradScaler). The CPU: bf16 under autocast too; fp16 and fp32
+    stay fp32 without autocast, as every CPU figure in the README and docs was measured
+    (fp32), and CPU fp16 autocast is not the comparison anyone trains with."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    if device.type == "cuda" and low is not None:
+        return TorchPrecision(device_type="cuda", dtype=low, grad_scaler=low == torch.float16)
+    if device.type == "cpu" and low == torch.bfloat16:
+        return TorchPrecision(device_type="cpu", dtype=low, grad_scaler=False)
+    return TorchPrecision(device_type=device.type, dtype=None, grad_scaler=False)
 
 
 def _sync(device: torch.device) -> None:
@@ -165,21 +210,41 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             dropped[name] = peer_reason(exc)
             print(f"  [{name}] dropped: {dropped[name]}")
 
+    amp = torch_precision(args.dtype, device)
+
+    def torch_step(m: torch.nn.Module, opt: torch.optim.Optimizer, clip: float):
+        """(forward, backward, step) of a plain-PyTorch contender at `amp`'s precision."""
+        xd, yd = x.to(device), y.to(device)
+        scaler = torch.amp.GradScaler(device.type) if amp.grad_scaler else None
+
+        def forward() -> torch.Tensor:
+            with amp.autocast():
+                return m(xd, yd)
+
+        def backward(loss: torch.Tensor) -> None:
+            (loss if scaler is None else scaler.scale(loss)).backward()
+
+        def step() -> None:
+            if scaler is not None and clip:
+                scaler.unscale_(opt)  # clip the true gradients
+            if clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+        return forward, backward, step
+
     def torch_setup():
         m = make_model().to(device)
         try:
             opt = torch.optim.AdamW(m.parameters(), lr=lr, fused=True)
         except (RuntimeError, TypeError):
             opt = torch.optim.AdamW(m.parameters(), lr=lr, foreach=True)
-        xd, yd = x.to(device), y.to(device)
-
-        def step():
-            if args.clip:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        fn = timed_step(lambda: m(xd, yd), lambda l: l.backward(), step)
+        fn = timed_step(*torch_step(m, opt, args.clip))
         fn()  # materialise optimizer state before measuring memory
         mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]), "host": 0}
         return fn, mem
@@ -193,13 +258,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     def torch_lora_setup():
         m = lora(make_model()).to(device)
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, foreach=True)
-        xd, yd = x.to(device), y.to(device)
-
-        def step():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        fn = timed_step(lambda: m(xd, yd), lambda l: l.backward(), step)
+        fn = timed_step(*torch_step(m, opt, 0.0))
         fn()
         mem = {"device": _bytes(list(m.parameters()) + [s for st in opt.state.values() for s in st.values()]),
                "host": 0}
@@ -428,7 +487,8 @@ def main() -> None:
     )
     from offload.optim import adam_isa
 
-    print(f"engine's Adam: offload.optim.adam_step_flat, native {adam_isa()} kernel")
+    print(f"engine's Adam: offload.optim.adam_step_flat, native {adam_isa()} kernel; plain PyTorch "
+          f"(torch, torch_lora): fp32 parameters, {torch_precision(args.dtype, device).describe()}")
 
     contenders, memory, io, engines, sched, dropped = build_contenders(args, make_model, batch, device)
     peak = None
@@ -541,6 +601,7 @@ def main() -> None:
     shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
+        "torch_precision": torch_precision(args.dtype, device).describe(),
         "peers_missing": missing, "ratio_peers": ratio_peers,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
     })

@@ -28,6 +28,7 @@ from offload.config import Config, load_config
 from offload.dtypes import DTYPES
 from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
+from offload.optim.threads import resolve_threads
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.activations import configure as configure_activations
 from offload.runtime.backward import BackwardTracker
@@ -143,7 +144,8 @@ class Engine:
         self.optimizer_states = built.optimizer_states
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,
-            rank=self.rank, param_tier=self.param_tier, threads=config.cpu_adam_threads,
+            rank=self.rank, param_tier=self.param_tier,
+            threads=resolve_threads(config.cpu_adam_threads),
             store=built.optimizer_states, kind=built.kind, moments=config.optimizer.moments_dtype)
         tl = config.timeline
         self.timeline = Timeline(tl.enabled, tl.path,

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks import _report
 
@@ -120,6 +121,31 @@ def test_bench_train_ratio_direction_is_peer_time_over_ours():
     ours_s, peer_s = 0.5, 1.0
     assert ratio(peer_s, ours_s) == 2.0  # bench_train: peer's time / ours
     assert ratio(1 / ours_s, 1 / peer_s) == 2.0  # bench_io/adam/checkpoint: our rate / theirs
+
+
+def test_bench_train_torch_contender_computes_in_the_engines_dtype():
+    # issue #30: on a GPU the plain-PyTorch step ran fp32 against the engine's bf16 step.
+    # Now it autocasts to --dtype (fp16 with a GradScaler); the CPU keeps fp32 unless bf16.
+    from benchmarks.bench_train import torch_precision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def rule(p):
+        return p.device_type, p.dtype, p.grad_scaler
+
+    assert rule(torch_precision("bf16", cuda)) == ("cuda", torch.bfloat16, False)
+    assert rule(torch_precision("fp16", cuda)) == ("cuda", torch.float16, True)
+    assert rule(torch_precision("fp32", cuda)) == ("cuda", None, False)
+    assert rule(torch_precision("bf16", cpu)) == ("cpu", torch.bfloat16, False)
+    assert rule(torch_precision("fp16", cpu)) == ("cpu", None, False)  # as before
+    assert rule(torch_precision("fp32", cpu)) == ("cpu", None, False)  # the README's figures
+    assert torch_precision("fp16", cuda).describe() == "float16 autocast on cuda + GradScaler"
+    # the forward really runs under it: fp32 weights, bf16 products (and none for fp32)
+    lin = torch.nn.Linear(4, 4)
+    with torch_precision("bf16", cpu).autocast():
+        assert lin(torch.randn(2, 4)).dtype == torch.bfloat16 and lin.weight.dtype == torch.float32
+    with torch_precision("fp32", cpu).autocast():
+        assert not torch.is_autocast_enabled("cpu") and lin(torch.randn(2, 4)).dtype == torch.float32
 
 
 def test_suite_runs_bench_optimizers_with_every_native_row_and_its_targets(tmp_path):

@@ -40,6 +40,7 @@ import offload
 from offload.compat.deepspeed_checkpointing import checkpointing
 from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
+from offload.units.collectives import select_local_gpu, uses_nccl
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
            "utils", "is_compile_supported"]
@@ -73,8 +74,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                         "MASTER_ADDR, MASTER_PORT); running as a single process")
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if uses_nccl(backend):  # "nccl", or a per-device map such as "cpu:gloo,cuda:nccl"
+        select_local_gpu()
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout,
                               "init_method": init_method or "env://"}
     if rank >= 0:

@@ -430,7 +430,8 @@ class Config(Section):
     compute_device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     cpu_adam_threads: int = 0
-    """Threads for the CPU Adam; 0 = the cores this process may use."""
+    """Threads each rank's CPU optimizer runs on; 0 = the cores this process may use divided
+    by LOCAL_WORLD_SIZE (the node's ranks; 1 when unset), at least 1 (offload/optim/threads.py)."""
     nonfinite_loss: Literal["skip", "raise", "off"] = "skip"
     """bf16/fp32: what a NaN/inf loss on any rank does. 'skip': that micro-batch runs no
     backward and its optimizer step is skipped (as fp16's loss scaler skips an overflow),
@@ -462,7 +463,8 @@ class Config(Section):
             require(bool(name.strip()), f"unit_modules[{i}]", name, "a class name cannot be empty",
                     "list module class names such as 'GPTBlock'")
         require(self.cpu_adam_threads >= 0, "cpu_adam_threads", self.cpu_adam_threads,
-                "it must be >= 0 (0 = the cores this process may use)", "use 0 or a thread count")
+                "it must be >= 0 (0 = the cores this process may use, divided among the node's ranks)",
+                "use 0 or a thread count")
         require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                 "a timeout must be > 0 seconds", "use e.g. 1800 (torch.distributed's default)")
         require(self.zero_stage in (1, 2, 3), "zero_stage", self.zero_stage,

@@ -171,7 +171,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = rank
         self.param_tier = param_tier
         self._adam_fn = adam_fn
-        self._threads = int(threads)
+        self.threads = int(threads)
+        """Threads each native update runs on (the engine's `resolve_threads`); 0 = the
+        kernels' default (`offload.optim.get_num_threads`)."""
         self._staging: list[Optional[torch.Tensor]] = [None, None]
         """Two pinned host buffers the new low-precision shard of a device-tier unit is
         written to, then uploaded from on `_upload_stream` (double-buffered: the update of
@@ -190,7 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _adam(self) -> Callable[..., None]:
         """The update one run calls (`offload.optim.kinds.update_fn`)."""
         return update_fn(self.kind, decoupled=self.decoupled_weight_decay,
-                         threads=self._threads, adam_fn=self._adam_fn, moments=self.moments)
+                         threads=self.threads, adam_fn=self._adam_fn, moments=self.moments)
 
     @torch.no_grad()
     def _fill_initial_state(self) -> None:

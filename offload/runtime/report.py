@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 
+from offload.optim.generic import GENERIC
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.monitors import Monitor, open_monitors
 from offload.runtime.timeline import StepStats
@@ -170,12 +171,12 @@ class StepReporter:
         logger.info(
             "initialized%s: %d units, %s parameters, world size %d, compute %s on %s | "
             "parameters on %s, optimizer state (fp32 master, %s moments) on %s | memory %s | "
-            "prefetch %s ahead, keep %s | optimizer %s%s",
+            "prefetch %s ahead, keep %s | optimizer %s | %s%s",
             _rank_tag(s), len(s.units), format_count(params), s.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
             c.offload.optimizer_tier, _memory_text(memory_bytes(s)),
             format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
-            _optimizer_placement(c, s.dtype),
+            _optimizer_placement(c, s.dtype), _optimizer_threads(s.optimizer, c.cpu_adam_threads),
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
 
     def close(self) -> None:
@@ -270,6 +271,15 @@ def _rank_tag(state: ShardedState) -> str:
 
 def _memory_text(memory: dict[str, int]) -> str:
     return ", ".join(f"{tier} {format_bytes(value)}" for tier, value in memory.items())
+
+
+def _optimizer_threads(optimizer: Any, configured: int) -> str:
+    """What runs the updates, and on how many threads (`offload.optim.threads`)."""
+    if optimizer.kind in GENERIC:
+        return f"{optimizer.kind} through torch's class (torch's threads; cpu_adam_threads does not apply)"
+    n = optimizer.threads
+    how = " (cpu_adam_threads=0: this process's cores / LOCAL_WORLD_SIZE)" if configured == 0 else ""
+    return f"{optimizer.kind} on {n} CPU thread{'s' if n != 1 else ''}{how}"
 
 
 def _optimizer_placement(config: Any, dtype: torch.dtype) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import os
 import pickle
 import time
@@ -31,6 +32,23 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+logger = logging.getLogger("offload")
+
+
+def uses_nccl(backend: Optional[str]) -> bool:
+    """Whether a group whose backend torch reports as `backend` runs CUDA tensors'
+    collectives on NCCL: "nccl" itself, or a per-device map that names it for cuda
+    ("cuda:nccl", "cpu:gloo,cuda:nccl": what `dist.get_backend_config` reports, and what
+    older torch's `get_backend` reported for a default group started without a backend).
+    None (no group), "gloo", "cpu:gloo,cuda:gloo": False."""
+    if not backend:
+        return False
+    for entry in backend.lower().split(","):
+        device, _, name = entry.strip().rpartition(":")
+        if name == "nccl" and device in ("", "cuda"):
+            return True
+    return False
+
 
 @dataclass(frozen=True)
 class ProcessGroupInfo:
@@ -44,8 +62,17 @@ class ProcessGroupInfo:
     world_size: int
     group: Optional[dist.ProcessGroup]
     backend: Optional[str]
+    """The group's backend per device as torch reports it (`dist.get_backend_config`:
+    "cpu:gloo,cuda:gloo" for a gloo group, "cuda:nccl", "cpu:gloo,cuda:nccl", ...); None
+    without a group. Compare it through `nccl`, never to a name: a group the user started
+    without a backend is NCCL on CUDA yet is not called "nccl" (issue #30, F10)."""
     started_here: bool
     """True when `setup_process_group` created the group (and so may destroy it)."""
+
+    @property
+    def nccl(self) -> bool:
+        """Whether CUDA tensors' collectives on this group run on NCCL (`uses_nccl`)."""
+        return uses_nccl(self.backend)
 
     @property
     def local_world_size(self) -> int:
@@ -59,14 +86,19 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
     """Use the existing default group, or start one from torchrun's environment, or none.
 
     gloo when the compute device is the CPU, NCCL on CUDA. With no default group and no
-    torchrun environment this is world size 1 with no group at all.
+    torchrun environment this is world size 1 with no group at all. On CUDA this process's
+    GPU is the one LOCAL_RANK names (`select_local_gpu`), also when the user started the
+    group: before the engine allocates on the device, and before a group started without a
+    backend creates its NCCL communicator on the current device at its first collective.
     """
     if dist.is_available() and dist.is_initialized():
+        if device_type == "cuda":
+            select_local_gpu()
         return ProcessGroupInfo(
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             group=dist.group.WORLD,
-            backend=str(dist.get_backend()),
+            backend=_default_group_backend(),
             started_here=False,
         )
     present = [k for k in _TORCHRUN_ENV if k in os.environ]
@@ -82,8 +114,7 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
         raise RuntimeError("WORLD_SIZE is set but this torch build has no torch.distributed")
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+        select_local_gpu()
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -91,9 +122,49 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         group=dist.group.WORLD,
-        backend=backend,
+        backend=_default_group_backend(),
         started_here=True,
     )
+
+
+def _default_group_backend() -> str:
+    """The default group's backend per device ("cpu:gloo,cuda:gloo", "cuda:nccl", ...).
+    Not `dist.get_backend()`: for a group started without a backend it says "undefined"
+    (torch 2.13) or "cpu:gloo,cuda:nccl" (older torch), neither of which names one backend."""
+    return str(dist.get_backend_config())
+
+
+def local_gpu_choice(local_rank: int, current: int, device_count: int) -> tuple[Optional[int], Optional[str]]:
+    """Which GPU `select_local_gpu` makes current: (the index to set, or None to keep the
+    current one; a warning to log, or None). Pure: the rule, tested without a GPU.
+
+    LOCAL_RANK names this rank's GPU (torchrun's convention). The current device is kept
+    when it already is that one; when LOCAL_RANK is not a visible index, the launcher gave
+    each rank its own CUDA_VISIBLE_DEVICES and the current GPU is this rank's; when the
+    current device is another non-zero index, which only an explicit `torch.cuda.set_device`
+    gives, the user's choice wins, with a warning (ranks sharing a GPU are usually a
+    mistake). Device 0 is also the default nobody chose, so from it LOCAL_RANK's is selected."""
+    if local_rank == current or not 0 <= local_rank < device_count:
+        return None, None
+    if current != 0:
+        return None, (f"torch.cuda.set_device({current}) was called but LOCAL_RANK={local_rank}: "
+                      f"the engine computes on GPU {current} as chosen; to give each rank its "
+                      f"own GPU, call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) or "
+                      f"leave the choice to the engine")
+    return local_rank, None
+
+
+def select_local_gpu() -> None:
+    """Make LOCAL_RANK's GPU this process's current one (`local_gpu_choice`), when LOCAL_RANK
+    is set and CUDA is available; a user's explicit other choice is kept, with a warning."""
+    local = os.environ.get("LOCAL_RANK", "")
+    if not local.isdigit() or not torch.cuda.is_available():
+        return
+    index, warning = local_gpu_choice(int(local), torch.cuda.current_device(), torch.cuda.device_count())
+    if warning is not None:
+        logger.warning("compute device: %s", warning)
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 # [Note: collective tensors at exit] gloo runs each collective on its own threads, and such
@@ -236,8 +307,10 @@ def _unpickled(buf: torch.Tensor) -> Any:
 
 def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> torch.device:
     """Where tensors must live for this group's collectives (NCCL: the GPU; gloo: the CPU;
-    no group at world size 1: the compute device, where the "collective" is a local copy)."""
-    if pg.world_size == 1 or pg.backend == "nccl":
+    no group at world size 1: the compute device, where the "collective" is a local copy).
+    A group with NCCL for cuda and gloo for cpu ("cpu:gloo,cuda:nccl") runs CUDA compute's
+    collectives on the GPU and CPU compute's on the CPU."""
+    if pg.world_size == 1 or (pg.nccl and compute_device.type == "cuda"):
         return compute_device
     return torch.device("cpu")
 
