@@ -20,6 +20,9 @@ Contenders (same GPT model and batches, one training step per sample, interleave
              torch.optim.AdamW over the sharded params
 - deepspeed: deepspeed.initialize, ZeRO stage 3, offload_param + offload_optimizer to cpu
 - deepspeed_nvme: the same with offload_param and offload_optimizer on nvme (ZeRO-Infinity)
+- engine_worker_on / engine_worker_off (with --compare-worker): the engine row with
+             prefetch.optimizer_worker forced on / off (the updates during backward on a
+             thread of their own, or on autograd's; "auto", the engine row, is off on the CPU)
 - engine_stage2: offload at ZeRO stage 2 (zero_stage=2: parameters whole and resident on the
              compute device, optimizer state on the CPU: ZeRO-Offload); at world size 1 on
              the CPU it is the `engine` row (every unit is aliased to its shard)
@@ -266,7 +269,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
 
     def engine_setup(
         param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True,
-        stage: int = 3, wrap=None,
+        stage: int = 3, wrap=None, worker: str = "auto",
     ):
         import offload
         from offload.config import (
@@ -288,7 +291,8 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
             aio=AIOConfig(block_size=args.block_size, queue_depth=args.queue_depth, threads=args.io_threads),
             gradient_clipping=args.clip,
             prefetch=(
-                PrefetchConfig(prefetch_bytes=args.prefetch_mb << 20, keep_bytes=args.keep_mb << 20)
+                PrefetchConfig(prefetch_bytes=args.prefetch_mb << 20, keep_bytes=args.keep_mb << 20,
+                               optimizer_worker=worker)
                 if prefetch else PrefetchConfig(prefetch_bytes=0, keep_bytes=0, optimizer_in_backward=False)
             ),
             timeline=TimelineConfig(enabled=bool(args.timeline)),
@@ -393,6 +397,11 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
     add("torch", torch_setup)
     add("engine", engine_setup)
     add("engine_stage2", lambda: engine_setup("device", "cpu", "engine_stage2", stage=2))
+    if args.compare_worker:  # the optimizer worker on and off against "auto" (the engine row)
+        add("engine_worker_on", lambda: engine_setup(name="engine_worker_on", worker="on"))
+        add("engine_worker_off", lambda: engine_setup(name="engine_worker_off", worker="off"))
+    else:
+        dropped["engine_worker_on"] = dropped["engine_worker_off"] = "skipped (no --compare-worker)"
     if not args.no_nvme:
         add("engine_nvme_opt", lambda: engine_setup("cpu", "nvme", "engine_nvme_opt"))
         add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
@@ -459,6 +468,8 @@ def main() -> None:
     p.add_argument("--keep-mb", type=int, default=256, help="prefetch.keep_bytes in MiB")
     p.add_argument("--compare-prefetch", action="store_true",
                    help="add engine_nvme_all_nopf: NVMe tiers with prefetch/keep/optimizer-in-backward off")
+    p.add_argument("--compare-worker", action="store_true",
+                   help="add engine_worker_on / engine_worker_off: prefetch.optimizer_worker forced on and off")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="record the engines' timelines; write PREFIX-<contender>.json (Chrome trace)")
     args = p.parse_args()

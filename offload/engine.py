@@ -144,8 +144,7 @@ class Engine:
         self.optimizer_states = built.optimizer_states
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,
-            rank=self.rank, param_tier=self.param_tier,
-            threads=resolve_threads(config.cpu_adam_threads),
+            rank=self.rank, param_tier=self.param_tier, threads=resolve_threads(config.cpu_adam_threads),
             store=built.optimizer_states, kind=built.kind, moments=config.optimizer.moments_dtype)
         tl = config.timeline
         self.timeline = Timeline(tl.enabled, tl.path,

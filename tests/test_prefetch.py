@@ -306,6 +306,29 @@ def test_kept_units_are_not_fetched_again_in_backward(tmp_path):
     assert fetched == {0: 7, 1 << 30: 4}
 
 
+def test_the_next_unit_is_fetched_ahead_even_when_larger_than_the_budget():
+    """F8: a unit larger than prefetch_bytes (a 7B-class layer against the 256 MiB default)
+    is still fetched one ahead; the budget limits what comes after it."""
+    s = Schedule([0, 400, 400, 100], prefetch_bytes=256, keep_bytes=0, pinned=[0])
+    s.begin("train")
+    for u in range(4):
+        s.use(u, "f")
+    s.end()  # the trace is recorded; the next iteration follows it
+    s.begin("train")
+    assert s.use(0, "f") and s.ahead() == [1]  # 400 > 256, but the next one
+    assert s.use(1, "f") and s.ahead() == [2]  # and only it
+    assert s.use(2, "f") and s.ahead() == [3]
+    s.end()
+    off = Schedule([0, 400], prefetch_bytes=0, keep_bytes=0, pinned=[0])
+    off.begin("train")
+    off.use(0, "f")
+    off.use(1, "f")
+    off.end()
+    off.begin("train")
+    off.use(0, "f")
+    assert off.ahead() == []  # 0 still means on demand
+
+
 def test_keep_budget_keeps_only_the_last_blocks():
     """Pure schedule logic: the trace's last forward units whose bytes fit keep_bytes."""
     s = Schedule([0, 100, 100, 100], prefetch_bytes=150, keep_bytes=200, pinned=[0])

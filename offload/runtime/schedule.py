@@ -130,7 +130,10 @@ class Schedule:
 
     def ahead(self) -> list[int]:
         """Units the trace needs next, distinct, in order, whose gathered bytes fit the
-        prefetch budget (pinned units skipped). Empty when not following."""
+        prefetch budget (pinned units skipped), and always the next one, however large:
+        a budget below one unit (a 7B-class layer is ~400 MB against the 256 MiB default)
+        would otherwise fetch nothing ahead (issue #30, F8). Empty when not following or
+        prefetch is off (`prefetch_bytes` 0)."""
         if not self.following or self.prefetch_bytes <= 0:
             return []
         out: list[int] = []
@@ -140,7 +143,7 @@ class Schedule:
             if unit in seen or unit in self.pinned:
                 continue
             total += self.full_bytes[unit]
-            if total > self.prefetch_bytes:
+            if total > self.prefetch_bytes and out:
                 break
             seen.add(unit)
             out.append(unit)
