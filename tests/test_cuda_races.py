@@ -27,7 +27,7 @@ from offload.config import Config, OffloadConfig, PrefetchConfig
 from offload.devices import canonical, same_device
 from offload.units.collectives import resolve_device
 from tests.conftest import gpt_batches
-from tests.test_prefetch import build, config
+from tests.test_prefetch import build, config, train_gpt
 
 SLEEP_CYCLES = 5_000_000
 """About 3 ms at the H100's clock: far longer than any copy of the tiny model's shards."""
@@ -83,14 +83,7 @@ def _slow_streams(monkeypatch) -> None:
 
 
 def _train(cfg: Config, steps: int = 4):
-    engine = offload.initialize(build("gpt"), cfg)
-    for x, y in gpt_batches(steps):
-        engine.backward(engine(x, y))
-        engine.step()
-    stats = engine.step_stats()
-    sd = engine.full_state_dict()
-    engine.close()
-    return sd, stats
+    return train_gpt(cfg, steps)
 
 
 @pytest.mark.cuda

@@ -415,6 +415,18 @@ def test_gradient_shards_are_transient_when_every_update_runs_in_backward(tmp_pa
 # -- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
 
+def train_gpt(cfg: Config, steps: int) -> tuple[dict, Any]:
+    """The tests' GPT trained `steps` steps under `cfg`: (full state dict, last step_stats)."""
+    engine = offload.initialize(build("gpt"), cfg)
+    for x, y in gpt_batches(steps):
+        engine.backward(engine(x, y))
+        engine.step()
+    stats = engine.step_stats()
+    sd = engine.full_state_dict()
+    engine.close()
+    return sd, stats
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("param_tier,optimizer_tier", [("cpu", "cpu"), ("nvme", "nvme"), ("device", "nvme")])
 @pytest.mark.parametrize("mode", list(MODES))
@@ -425,16 +437,7 @@ def test_cuda_prefetch_is_bit_identical_to_on_demand(param_tier, optimizer_tier,
 
     def run(prefetch: PrefetchConfig):
         cfg = config(tmp_path, param_tier, optimizer_tier, mode=mode, prefetch=prefetch)
-        cfg = dataclasses.replace(cfg, compute_device="cuda")
-        m = build("gpt")
-        engine = offload.initialize(m, cfg)
-        for x, y in gpt_batches(6):
-            engine.backward(engine(x, y))
-            engine.step()
-        stats = engine.step_stats()
-        sd = engine.full_state_dict()
-        engine.close()
-        return sd, stats
+        return train_gpt(dataclasses.replace(cfg, compute_device="cuda"), steps=6)
 
     on, stats = run(ON)
     off, _ = run(OFF)

@@ -281,6 +281,11 @@ def engine_contender(name: str, base, batch, device: torch.device, param_tier: s
         os.makedirs(nvme, exist_ok=True)
     cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments, worker=worker)
     engine = offload.initialize(copy.deepcopy(base) if meta_model is None else base, cfg)
+    return wrap_engine(name, engine, cfg, (param_tier, optimizer_tier), batch, device)
+
+
+def wrap_engine(name: str, engine, cfg, tiers: tuple[str, str], batch, device: torch.device) -> Contender:
+    """An engine as a contender: one timed training step per call (synchronised)."""
     x, y = batch
 
     def step() -> float:
@@ -292,7 +297,7 @@ def engine_contender(name: str, base, batch, device: torch.device, param_tier: s
         return time.perf_counter() - t0
 
     c = Contender(name, step, engine.step_stats, engine.memory_bytes, engine.close)
-    c.engine, c.cfg, c.tiers = engine, cfg, (param_tier, optimizer_tier)
+    c.engine, c.cfg, c.tiers = engine, cfg, tiers
     return c
 
 
@@ -441,20 +446,9 @@ def phase_scale(args: argparse.Namespace, res: Results) -> None:
     res.put(init_s=time.perf_counter() - t0)
     log(f"scale: initialised in {time.perf_counter() - t0:.1f} s")
     batch = gpt_batches(1, batch=bsz, seq=seq, vocab=vocab)[0]
-    x, y = batch
-
-    def step() -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        engine.backward(engine(x, y))
-        engine.step()
-        sync(device)
-        return time.perf_counter() - t0
-
-    c = Contender("offload", step, engine.step_stats, engine.memory_bytes, engine.close)
-    c.engine, c.cfg, c.tiers = engine, cfg, (pt, ot)
+    c = wrap_engine("offload", engine, cfg, (pt, ot), batch, device)
     for _ in range(args.warmup):
-        log(f"scale: warm-up step {step():.2f} s")
+        log(f"scale: warm-up step {c.step():.2f} s")
     rate = matmul_rate(device, args.dry_run)
     flops = model_flops_per_token(n_layer, d, vocab, seq) * seq * bsz
 
