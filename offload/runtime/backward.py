@@ -16,6 +16,17 @@ next unit's (or at the end of backward), so it runs under the backward of the un
 `reduce` and `finish` return the units whose reduction completed: the optimizer-step
 policy updates them during backward when it runs the optimizer there.
 
+[Note: when a unit's gradients are final]
+A unit is reduced (and, with the optimizer in backward, updated) during backward only when
+no further gradient can reach its parameters in this pass: every grad-enabled forward call
+of the unit in the iteration carried the trigger, and every trigger has fired. A call
+whose inputs need no grad (DeepSpeed's SimpleModel runs layers[0] on the raw input and
+again later; ALBERT-style sharing; a first block after a frozen embedding) still produces
+parameter gradients, but nothing on its inputs fires when they are in; the unit then waits
+for the end of backward (`finish`), when autograd has run every node. Any call we cannot
+account for makes the unit wait; none is ever reduced early (issue #29: the early reduce
+lost the untracked call's gradients, raised, or freed a buffer its backward still read).
+
 [Note: one scratch for transient gradient shards]
 A transient gradient shard (`offload.optim.sharded.transient_grad_shards`) holds memory
 only from its unit's reduce to its update. Given fresh memory at every reduce, the copy of
@@ -72,6 +83,10 @@ class _Track:
     n_forward: int = 0
     """Grad-enabled forwards whose inputs carry our post-backward trigger."""
     n_post_backward: int = 0
+    untracked: int = 0
+    """Grad-enabled forwards none of whose inputs needs grad: no trigger can say when their
+    parameter gradients are in, so the unit waits for the end of backward ([Note: when a
+    unit's gradients are final])."""
 
 
 class PostBackward(torch.autograd.Function):
@@ -132,11 +147,15 @@ class BackwardTracker:
                           on_post_backward: Callable[[], None]) -> list[torch.Tensor]:
         """A grad-enabled forward of `unit` starts: its gradients will need reducing. Returns
         the inputs that need grad, passed through the post-backward trigger (the root gets
-        none: the end of backward reduces it)."""
+        none: the end of backward reduces it; a call with no such input is counted as
+        untracked: [Note: when a unit's gradients are final])."""
         t = self._tracks[unit.index]
         if t.state is UnitPass.IDLE:
             t.state = UnitPass.FORWARD
-        if unit.index == ROOT or not inputs:
+        if unit.index == ROOT:
+            return inputs
+        if not inputs:
+            t.untracked += 1
             return inputs
         t.n_forward += 1
         return list(PostBackward.apply(on_post_backward, *inputs))
@@ -158,10 +177,11 @@ class BackwardTracker:
         self._tracks[unit.index].state = UnitPass.BACKWARD
 
     def post_backward(self, unit: FlatUnit, check: Callable[[FlatUnit], None]) -> list[FlatUnit]:
-        """The trigger on one of the unit's forward calls fired; once all have, reduce."""
+        """The trigger on one of the unit's forward calls fired; once all have, reduce
+        (unless an untracked call leaves the unit to the end of backward)."""
         t = self._tracks[unit.index]
         t.n_post_backward += 1
-        if t.n_post_backward >= t.n_forward:
+        if t.n_post_backward >= t.n_forward and not t.untracked:
             return self.reduce(unit, check)
         return []
 
