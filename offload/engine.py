@@ -222,7 +222,8 @@ class Engine:
             )
         elif unit.index == ROOT:
             self.backward_tracker.nothing_pending(unit)  # backward will never visit
-        self.gather.after_forward(unit, backward_follows=bool(tensors))
+        if self.gather.after_forward(unit, backward_follows=bool(tensors), output=output):
+            self.backward_tracker.untrack(unit)  # a parameter returned out of its unit
         return None
 
     def _pre_backward(self, unit: FlatUnit, grad: Any) -> None:
@@ -346,10 +347,8 @@ class Engine:
             raise nonfinite  # the step was skipped whole: the engine stays consistent
 
     def step_stats(self) -> Optional[dict[str, Any]]:
-        """The last completed optimizer step as the engine measured it (offload.runtime.timeline:
-        step time, stall time split into fetch waits / collectives / optimizer I/O,
-        optimizer time, how many units updated during backward, prefetched vs on-demand
-        fetches, whether the step left its trace), or None before the first step."""
+        """The last optimizer step as the engine measured it (offload.runtime.timeline: step,
+        stall, optimizer and fetch figures; docs/prefetch.md), or None before the first step."""
         last = self.timeline.last
         return None if last is None else last.as_dict()
 

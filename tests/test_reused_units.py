@@ -114,3 +114,72 @@ def test_negative_control_lands_far_outside():
     got = plain_loop(lossy, batches(), lr=LR, weight_decay=WD)
     worst, _, _ = bound(1, 0.0).worst(got, "lossy")
     assert worst > 100, worst
+
+
+# -- a parameter returned out of its unit (issue #29, item 2) ---------------------------------------
+
+
+class BiasOut(nn.Module):
+    """Returns its bias beside its product, for the caller to add (a fused-op pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+        self.bias = nn.Parameter(0.1 * torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.bias
+
+
+class ReturnsParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([BiasOut(), BiasOut(), BiasOut()])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.layers[0].bias.dtype)
+        for layer in self.layers:
+            out, bias = layer(h)
+            h = torch.tanh(out + bias)  # the bias is used after its unit's forward returned
+        return torch.nn.functional.mse_loss(h, y.to(h.dtype))
+
+
+def returns_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ReturnsParameters()
+
+
+@functools.lru_cache(maxsize=None)
+def returns_bound(gas: int, clip: float) -> Fp32Bound:
+    return Fp32Bound.measure(lambda **o: plain_loop(returns_model, batches(), lr=LR, weight_decay=WD, gas=gas,
+                                                    clip=clip, **o))
+
+
+def train_returns(rank: int, world_size: int, gas: int, clip: float, tier: str, path: str) -> dict:
+    cfg = make_config(gas=gas, clip=clip)
+    if tier == "nvme":
+        os.makedirs(f"{path}/r{rank}", exist_ok=True)
+        cfg = dataclasses.replace(cfg, offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme",
+                                                             nvme_path=f"{path}/r{rank}", pinned_budget_bytes=1 << 22))
+    engine = offload.initialize(returns_model(), cfg)
+    for x, y in batches():
+        n = x.shape[0] // world_size
+        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        engine.step()
+    with torch.no_grad():  # a forward no backward follows: the escaped unit goes at the next one
+        engine(*batches()[0])
+    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return sd
+
+
+@pytest.mark.parametrize("gas,clip", MODES)
+def test_returned_parameter_world_size_1_nvme(gas, clip, tmp_path):
+    got = train_returns(0, 1, gas, clip, "nvme", str(tmp_path))
+    returns_bound(gas, clip).check(got, f"returned parameter ws1 gas{gas} clip{clip} nvme")
+
+
+@pytest.mark.parametrize("gas,clip", MODES)
+def test_returned_parameter_world_size_2(gas, clip, tmp_path):
+    out = run_distributed(train_returns, 2, gas, clip, "cpu", str(tmp_path))
+    returns_bound(gas, clip).check(out[0], f"returned parameter ws2 gas{gas} clip{clip}")

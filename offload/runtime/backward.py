@@ -160,6 +160,12 @@ class BackwardTracker:
         t.n_forward += 1
         return list(PostBackward.apply(on_post_backward, *inputs))
 
+    def untrack(self, unit: FlatUnit) -> None:
+        """A gradient can reach the unit's parameters by a way its trigger does not see (a
+        view of them in its output): it waits for the end of backward ([Note: when a unit's
+        gradients are final])."""
+        self._tracks[unit.index].untracked += 1
+
     def nothing_pending(self, unit: FlatUnit) -> None:
         """A forward backward will never visit (eval, no_grad) ended at `unit`."""
         self._tracks[unit.index].state = UnitPass.IDLE

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from offload.runtime.prefetch import Prefetcher
 from offload.runtime.schedule import Phase, Schedule
@@ -41,12 +42,19 @@ class Gatherer:
         self._issued: dict[int, float] = {}
         """Units whose all-gather was issued ahead, with when (the timeline's span start)."""
         self._compute_t0 = [0.0] * len(units)
+        self._escaped: set[int] = set()
+        """Units kept gathered after their forward because the output holds a view of the
+        full buffer ([Note: escaped views])."""
 
     # -- the iteration -----------------------------------------------------------------
 
     def begin_iteration(self, step: int, training: bool) -> None:
         """A forward of the root outside backward: a new iteration of the schedule (traces
-        are kept per grad mode and train/eval)."""
+        are kept per grad mode and train/eval). Units kept for an escaped view in the last
+        one (that no backward freed) go now."""
+        for index in self._escaped:
+            self.units[index].free()
+        self._escaped.clear()
         if torch.is_grad_enabled():
             self.timeline.begin_step(step)
         self.schedule.begin((torch.is_grad_enabled(), training))
@@ -71,13 +79,18 @@ class Gatherer:
         """When the unit's current compute (forward or backward) began."""
         return self._compute_t0[unit.index]
 
-    def after_forward(self, unit: FlatUnit, backward_follows: bool) -> None:
+    def after_forward(self, unit: FlatUnit, backward_follows: bool, output: Any = None) -> bool:
         """The unit's forward is done: free it, unless the trace says its backward comes
-        soon (kept within prefetch.keep_bytes); then fetch ahead (it may be the next one)."""
+        soon (kept within prefetch.keep_bytes), or its output holds a view of its full
+        buffer; then fetch ahead (it may be the next one). Returns whether the output
+        holds such a view (a parameter returned out of its unit: [Note: escaped views])."""
         if unit.index == ROOT:
             if not backward_follows:
                 unit.free()  # a forward backward will never visit (eval, no_grad)
-            return
+            return False
+        if _escapes(unit, output):
+            self._escaped.add(unit.index)
+            return True
         if not (backward_follows and self.schedule.keep_after_forward(unit.index)):
             unit.free()
             if self.schedule.following:
@@ -215,3 +228,22 @@ class Gatherer:
             if t1 - t0 > 1e-5:
                 tl.add(f"wait {name}", "wait", "compute", t0, t1, unit.index)
         return entry, local, filled
+
+
+def _escapes(unit: FlatUnit, output: Any) -> bool:
+    """[Note: escaped views] A unit's forward may return one of its own parameters (a
+    module handing its bias to a later fused op: DeepSpeed's returned-parameter test). The
+    parameter is a view of the unit's full buffer, which is freed after the forward by
+    resizing its storage to 0: the view would then read freed memory (issue #29: a
+    segfault at world size 2 and with the NVMe tier). Such a unit stays gathered until its
+    backward has run (or, with no backward, until the next iteration), and is reduced at
+    the end of backward: its gradient through the returned view arrives after its inputs'
+    trigger. A unit aliased to its shard (world size 1, in memory) is never freed."""
+    if unit.aliased or output is None:
+        return False
+    storage = unit.full.untyped_storage()
+    if storage.nbytes() == 0:
+        return False
+    ptr = storage.data_ptr()
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr
+               for t in tree_flatten(output)[0])
