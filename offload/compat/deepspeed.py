@@ -38,6 +38,9 @@ from torch import nn
 
 import offload
 from offload.compat.deepspeed_checkpointing import checkpointing
+from offload.compat.deepspeed_leaf import (
+    get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+)
 from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
 from offload.units.collectives import select_local_gpu, uses_nccl
@@ -576,6 +579,8 @@ def _safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     return param.grad
 
 
-utils = types.SimpleNamespace(safe_get_full_grad=_safe_get_full_grad)
+utils = types.SimpleNamespace(safe_get_full_grad=_safe_get_full_grad, set_z3_leaf_modules=set_z3_leaf_modules,
+                              unset_z3_leaf_modules=unset_z3_leaf_modules, get_z3_leaf_modules=get_z3_leaf_modules,
+                              z3_leaf_module=z3_leaf_module)
 """`deepspeed.utils`: `safe_get_full_grad` (-> `engine.full_grad`)."""
 

@@ -171,6 +171,19 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     return config
 
 
+OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules")
+"""offload's keys that a DeepSpeed-format config may carry at its top level (docs/config.md)."""
+
+
+def _class_names(key: str, value: Any) -> tuple[str, ...]:
+    """A list of module class names (a lone string is one name)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise type_error(key, value, "a list of module class names")
+    return tuple(value)
+
+
 _DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")
 """Where "auto" is DeepSpeed's own value, not the Hugging Face placeholder."""
 
@@ -202,8 +215,13 @@ def _reject_auto(ds: Mapping[str, Any]) -> None:
 def _top_level(t: Translation) -> None:
     """Classify the top-level keys; handle the small sections that only say "off"."""
     ds = t.ds
-    known = sorted(TOP_MAPPED | set(TOP_IGNORED))
+    known = sorted(TOP_MAPPED | set(TOP_IGNORED) | set(OFFLOAD_EXTENSIONS))
+    for key in OFFLOAD_EXTENSIONS:  # offload's own keys a DeepSpeed config may carry
+        if key in ds:
+            t.set(key, _class_names(key, ds[key]), key)
     for key in ds:
+        if key in OFFLOAD_EXTENSIONS:
+            continue
         if key in TOP_REMOVED:
             raise ConfigError(str(key), "was removed from DeepSpeed (0.19 rejects it) and offload "
                               "does not implement it", f"remove {key!r} from the config")

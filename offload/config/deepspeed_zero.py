@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from offload.config.checks import ConfigError, coerce, positive_int, rule_error
+from offload.config.checks import ConfigError, coerce, positive_int, rule_error, type_error
 from offload.config.deepspeed_keys import Translation, only_off, read_section
 from offload.config.sections import OffloadConfig
 
@@ -33,7 +33,7 @@ _ZERO_MAPPED = frozenset({
     "stage", "offload_param", "offload_optimizer", "prefetch_bucket_size", "max_reuse_distance",
     "sub_group_size", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
     "compute_grad_norm", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients", "zenflow",
+    "zero_quantized_gradients", "zenflow", "leaf_module",
 })
 
 _ZERO_IGNORED = {
@@ -65,7 +65,6 @@ _ZERO_IGNORED = {
     "log_trace_cache_warnings": "logging",
     "enable_sanity_checks": "debugging",
     "save_muon_momentum_buffer_in_memory": "offload has no Muon optimizer",
-    "leaf_module": "offload's units are chosen by unit_modules",
 }
 
 _ZERO_REMOVED = frozenset({"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"})
@@ -131,6 +130,8 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
         only_off(key_of.get(name, name), zero.get(name), False, why, "remove it")
     only_off(key_of.get("compute_grad_norm", ""), zero.get("compute_grad_norm"), True,
              "ZeRO stage 3 always computes the gradient norm (DeepSpeed rejects false too)", "remove it")
+    if zero.get("leaf_module") is not None:
+        _leaf_module(t, zero["leaf_module"], key_of["leaf_module"])
     if zero.get("zenflow") is not None:
         raise ConfigError(key_of["zenflow"], "is not supported: ZenFlow applies stale, partial updates, "
                           "which changes training", "remove it")
@@ -257,3 +258,22 @@ def _pinned_budget(t: Translation, zero: dict[str, Any], key_of: dict[str, str],
     if budget:
         sources = [k for k in (f"{param_path}.buffer_size", key_of.get("sub_group_size")) if k]
         t.set("offload.pinned_budget_bytes", budget, sources[0])
+
+
+def _leaf_module(t: Translation, raw: Any, path: str) -> None:
+    """zero_optimization.leaf_module {classes, names, name_suffixes} -> leaf_modules. Names
+    and suffixes pick modules by where they sit; offload names classes (or marks modules with
+    `set_z3_leaf_modules`), so a non-empty list of either is refused rather than ignored: a
+    leaf that is not one desynchronises ranks that route differently."""
+    sec = read_section(path, raw, ("classes", "names", "name_suffixes"))
+    for key in ("names", "name_suffixes"):
+        if sec.get(key):
+            raise ConfigError(f"{path}.{key}", f"= {sec[key]!r}: offload chooses leaf modules by class",
+                              f"list their classes in {path}.classes, or call "
+                              "offload.compat.deepspeed.utils.set_z3_leaf_modules(model, [classes])")
+    classes = sec.get("classes") or []
+    if isinstance(classes, str):
+        classes = [classes]
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise type_error(f"{path}.classes", classes, "a list of module class names")
+    t.set("top.leaf_modules", tuple(classes), f"{path}.classes")

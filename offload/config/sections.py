@@ -427,6 +427,11 @@ class Config(Section):
     """Informational (the engine does not batch); kept for DeepSpeed configs."""
     unit_modules: tuple[str, ...] = ()
     """Class names of modules that become units; empty = each nn.ModuleList child."""
+    leaf_modules: tuple[str, ...] = ()
+    """Class names (short, or module-qualified) of modules whose whole subtree is one unit,
+    gathered together, beside the units `unit_modules` chooses: a mixture-of-experts block
+    whose ranks route to different experts then needs no per-expert collective (DeepSpeed's
+    leaf modules; a module marked by `set_z3_leaf_modules` counts too)."""
     compute_device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     cpu_adam_threads: int = 0
@@ -459,9 +464,10 @@ class Config(Section):
             require(self.train_micro_batch_size_per_gpu >= 1, "train_micro_batch_size_per_gpu",
                     self.train_micro_batch_size_per_gpu, "a batch holds at least one sample",
                     "use a positive integer or leave it out")
-        for i, name in enumerate(self.unit_modules):
-            require(bool(name.strip()), f"unit_modules[{i}]", name, "a class name cannot be empty",
-                    "list module class names such as 'GPTBlock'")
+        for key in ("unit_modules", "leaf_modules"):
+            for i, name in enumerate(getattr(self, key)):
+                require(bool(name.strip()), f"{key}[{i}]", name, "a class name cannot be empty",
+                        "list module class names such as 'GPTBlock'")
         require(self.cpu_adam_threads >= 0, "cpu_adam_threads", self.cpu_adam_threads,
                 "it must be >= 0 (0 = the cores this process may use, divided among the node's ranks)",
                 "use 0 or a thread count")

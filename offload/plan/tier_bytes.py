@@ -71,7 +71,7 @@ class ModelSpec:
 def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size: int,
                     p_bytes: int, moments: Optional[str] = None) -> ModelSpec:
     # Exactly Engine._build_units' grouping and layout (see [Note: the figures are the engine's]).
-    plans = plan_units(model, config.unit_modules)
+    plans = plan_units(model, config.unit_modules, config.leaf_modules)
     _groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     states = state_specs(kind, moments or config.optimizer.moments_dtype)
     align = param_align(states, PARAM_ALIGN_ELEMS)

@@ -98,7 +98,7 @@ def build(
     garbage collection deletes the swap files (the Engine)."""
     # Before anything is allocated: a parameter the model wants in fp32 is refused here.
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
-    plans = plan_units(model, config.unit_modules)
+    plans = plan_units(model, config.unit_modules, config.leaf_modules)
     groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     specs = state_specs(kind, config.optimizer.moments_dtype)
     planned = _plan_layouts(plans, group_of, pg.world_size, param_align(specs, PARAM_ALIGN_ELEMS))

@@ -2,8 +2,11 @@
 
 The wrap policy, as FSDP's: by default every child of every `nn.ModuleList` (the
 transformer blocks) is a unit; with `config.unit_modules` set, every module whose class
-name is listed is one instead. Only the outermost match counts (a unit inside a unit is
-part of it). Everything else belongs to the root unit, the model itself.
+name is listed is one instead. A leaf module (`config.leaf_modules`, DeepSpeed's
+`set_z3_leaf_modules`) is a unit in either case, with all it holds: a mixture-of-experts
+block whose ranks route to different experts is gathered whole, so every rank makes the
+same collectives. Only the outermost match counts (a unit inside a unit is part of it).
+Everything else belongs to the root unit, the model itself.
 
 A parameter reachable from more than one unit (tied embeddings and LM head, a module
 shared by two blocks) belongs to their lowest common ancestor, which for sibling units is
@@ -41,17 +44,36 @@ class UnitPlan:
     params: list[ParamRecord] = field(default_factory=list)
 
 
-def plan_units(model: nn.Module, unit_modules: Sequence[str] = ()) -> list[UnitPlan]:
+LEAF_ATTR = "_z3_leaf"
+"""The attribute DeepSpeed's `set_z3_leaf_modules` sets on a module (and
+`offload.compat.deepspeed.utils.set_z3_leaf_modules` too): its subtree is one unit."""
+
+
+def _class_names(module: nn.Module) -> tuple[str, str]:
+    cls = type(module)
+    return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
+
+
+def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
+               leaf_modules: Sequence[str] = ()) -> list[UnitPlan]:
     """Split `model` into units; index 0 is the root. Units without parameters are dropped
-    (nothing to gather), the root is always present."""
+    (nothing to gather), the root is always present. A leaf module (its class in
+    `leaf_modules`, short or module-qualified, or marked with `LEAF_ATTR`) is a unit whole,
+    whatever the other policy says of it or of what it holds (experts in a ModuleList)."""
     wanted = set(unit_modules)
+    leaves = set(leaf_modules)
     unit_mods: list[tuple[str, nn.Module]] = []
     seen_units: set[int] = set()
+
+    def is_leaf(m: nn.Module) -> bool:
+        return bool(getattr(m, LEAF_ATTR, False)) or not leaves.isdisjoint(_class_names(m))
 
     def visit(module: nn.Module, prefix: str, inside_unit: bool) -> None:
         for child_name, child in module.named_children():
             fqn = f"{prefix}{child_name}"
-            if wanted:
+            if is_leaf(child):
+                is_unit = True
+            elif wanted:
                 is_unit = type(child).__name__ in wanted
             else:
                 is_unit = isinstance(module, nn.ModuleList)
@@ -63,6 +85,14 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = ()) -> list[UnitP
                 visit(child, fqn + ".", inside_unit)
 
     visit(model, "", False)
+    if leaves:
+        found = {n for m in model.modules() for n in _class_names(m)}
+        missing = sorted(leaves - found)
+        if missing:
+            raise ValueError(
+                f"leaf_modules names {missing}, but the model has no module of that class; "
+                f"module classes present: {sorted({type(m).__name__ for m in model.modules()})}"
+            )
     if wanted:
         found = {type(m).__name__ for _, m in unit_mods}
         missing = sorted(wanted - found - {type(model).__name__})

@@ -1,0 +1,157 @@
+"""Leaf modules (issue #29, item 4): a mixture-of-experts block whose ranks route tokens to
+different experts.
+
+By default every child of a ModuleList is a unit, so each expert is gathered on its own,
+and only by the ranks that route a token to it: the ranks' collectives no longer match, and
+the run desynchronises. A leaf module is one unit with everything under it, so every rank
+gathers the whole block. There are three ways to name it:
+- `leaf_modules` in offload's config;
+- DeepSpeed's `zero_optimization.leaf_module.classes`;
+- `offload.compat.deepspeed.utils.set_z3_leaf_modules(model, [cls])`.
+
+Trained at world size 2 with different experts per rank, the leaf-module model equals plain
+PyTorch within the suite's measured fp32 bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.compat.deepspeed import utils as ds_utils
+from offload.config import Config, load_config
+from offload.units.partition import plan_units
+from tests.conftest import run_distributed
+from tests.parity import Fp32Bound, plain_loop
+from tests.test_engine import LR, WD, make_config
+
+D, EXPERTS, STEPS = 8, 4, 5
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class MoE(nn.Module):
+    """Top-1 routing; an expert no token of this batch picked is not called at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(D, EXPERTS)
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+
+    def routes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(x).argmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = torch.softmax(self.router(x), -1)
+        top = gates.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = top == e
+            if sel.any():
+                out = out.index_put((sel.nonzero().squeeze(1),), gates[sel, e : e + 1] * expert(x[sel]))
+        return x + out
+
+
+class MoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.moe = MoE()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = (t.to(self.inp.weight.dtype) for t in (x, y))
+        return torch.nn.functional.mse_loss(self.moe(torch.tanh(self.inp(x))), y)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return MoEModel()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def bound() -> Fp32Bound:
+    return Fp32Bound.measure(lambda **o: plain_loop(model, batches(), lr=LR, weight_decay=WD, **o))
+
+
+def test_a_leaf_is_one_unit_whatever_the_policy_says_of_its_children():
+    names = lambda plans: [p.name for p in plans]  # noqa: E731
+    assert names(plan_units(model())) == ["", "moe.experts.0", "moe.experts.1", "moe.experts.2", "moe.experts.3"]
+    assert names(plan_units(model(), leaf_modules=["MoE"])) == ["", "moe"]
+    assert names(plan_units(model(), leaf_modules=[f"{MoE.__module__}.MoE"])) == ["", "moe"]
+    marked = model()
+    assert ds_utils.set_z3_leaf_modules(marked, [MoE]) == [marked.moe]
+    assert ds_utils.z3_leaf_module(marked.moe) and ds_utils.get_z3_leaf_modules(marked) == [marked.moe]
+    assert names(plan_units(marked)) == ["", "moe"]
+    ds_utils.unset_z3_leaf_modules(marked, ["MoE"])
+    assert len(plan_units(marked)) == 5
+    with pytest.raises(ValueError, match="leaf_modules names .'Router'.*module classes present"):
+        plan_units(model(), leaf_modules=["Router"])
+    with pytest.raises(ValueError, match="no module of"):
+        ds_utils.set_z3_leaf_modules(model(), ["Router"])
+
+
+def test_deepspeed_configs_name_leaf_modules_and_units():
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["MoE"]}},
+          "unit_modules": ["Expert"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config(ds)
+    assert cfg.leaf_modules == ("MoE",) and cfg.unit_modules == ("Expert",)
+    bad = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "leaf_module": {"names": ["moe"]}}}
+    with pytest.raises(Exception, match="leaf_module.names.*by class"):
+        load_config(bad)
+    assert Config.from_dict({"leaf_modules": ["MoE"]}).leaf_modules == ("MoE",)
+
+
+def _rank_routes_differ() -> bool:
+    m = model()
+    with torch.no_grad():
+        for x, _ in batches():
+            h = torch.tanh(m.inp(x))
+            r0, r1 = set(m.moe.routes(h[:4]).tolist()), set(m.moe.routes(h[4:]).tolist())
+            if r0 != r1:
+                return True
+    return False
+
+
+def train(rank: int, world_size: int, how: str) -> dict:
+    m = model()
+    cfg = make_config()
+    if how == "config":
+        cfg = dataclasses.replace(cfg, leaf_modules=("MoE",))
+    else:
+        ds_utils.set_z3_leaf_modules(m, [MoE])
+    engine = offload.initialize(m, cfg)
+    for x, y in batches():
+        n = x.shape[0] // world_size
+        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        engine.step()
+    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return sd
+
+
+@pytest.mark.parametrize("how", ["config", "set_z3_leaf_modules"])
+def test_ranks_routing_to_different_experts_train_as_plain_pytorch(how):
+    assert _rank_routes_differ()  # the case this test is about: ranks pick different experts
+    out = run_distributed(train, 2, how)
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+    bound().check(out[0], f"MoE leaf module ws2 ({how})")
