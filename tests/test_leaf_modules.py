@@ -155,3 +155,65 @@ def test_ranks_routing_to_different_experts_train_as_plain_pytorch(how):
     out = run_distributed(train, 2, how)
     assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
     bound().check(out[0], f"MoE leaf module ws2 ({how})")
+
+
+# -- transformers' Mixtral: experts as one module of 3-D weights, inside each decoder layer ------
+
+
+def mixtral() -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, vocab_size=64, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64)
+    cfg._experts_implementation = "eager"  # a loop over experts: runs in float64 too (the truth)
+    return tf.MixtralForCausalLM(cfg)
+
+
+class MixtralLoss(nn.Module):
+    """The plain loop's model(x, y): the causal LM loss of x, in float64 for the truth
+    (HF's own loss casts logits to float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = mixtral()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.lm.dtype != torch.float64:
+            return self.lm(input_ids=x, labels=x).loss
+        logits = self.lm(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+
+def mixtral_batches():
+    from tests.conftest import gpt_batches
+
+    return gpt_batches(3, batch=4, seq=8, vocab=64)
+
+
+@functools.lru_cache(maxsize=None)
+def mixtral_bound() -> Fp32Bound:
+    return Fp32Bound.measure(lambda **o: plain_loop(MixtralLoss, mixtral_batches(), lr=LR, weight_decay=WD, **o))
+
+
+def train_mixtral(rank: int, world_size: int) -> dict:
+    engine = offload.initialize(mixtral(), make_config())
+    assert [u.name for u in engine.units] == ["", "model.layers.0", "model.layers.1"]
+    for x, _ in mixtral_batches():
+        n = x.shape[0] // world_size
+        ids = x[rank * n:(rank + 1) * n]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    sd = {"lm." + k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return sd
+
+
+def test_mixtral_trains_as_plain_pytorch_at_world_size_2():
+    """Its experts sit inside each decoder layer's unit: every rank gathers them all,
+    whatever it routes (no leaf module needed; this keeps it so)."""
+    pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]')")
+    out = run_distributed(train_mixtral, 2)
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+    mixtral_bound().check(out[0], "Mixtral ws2")
