@@ -183,3 +183,71 @@ def test_returned_parameter_world_size_1_nvme(gas, clip, tmp_path):
 def test_returned_parameter_world_size_2(gas, clip, tmp_path):
     out = run_distributed(train_returns, 2, gas, clip, "cpu", str(tmp_path))
     returns_bound(gas, clip).check(out[0], f"returned parameter ws2 gas{gas} clip{clip}")
+
+
+# -- a submodule called outside the model's forward with gradients (issue #29, item 5) --------------
+
+
+class EmbedsOutside(nn.Module):
+    """The multimodal / TRL pattern: the caller embeds the tokens (`get_input_embeddings()`)
+    and passes `inputs_embeds`; the plain loop's forward embeds them itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, D)
+        self.layers = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+        self.head = nn.Linear(D, D)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.emb
+
+    def forward(self, x: torch.Tensor = None, y: torch.Tensor = None, inputs_embeds: torch.Tensor = None):
+        h = self.emb(x) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.mse_loss(self.head(h), y.to(h.dtype))
+
+
+def embeds_model() -> nn.Module:
+    torch.manual_seed(0)
+    return EmbedsOutside()
+
+
+def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 32, (8, 3), generator=g), torch.randn(8, 3, D, generator=g)) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def embeds_bound() -> Fp32Bound:
+    return Fp32Bound.measure(lambda **o: plain_loop(embeds_model, token_batches(), lr=LR, weight_decay=WD, **o))
+
+
+def train_embeds_outside(rank: int, world_size: int, tier: str, path: str) -> dict:
+    cfg = make_config()
+    if tier == "nvme":
+        os.makedirs(f"{path}/r{rank}", exist_ok=True)
+        cfg = dataclasses.replace(cfg, offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme",
+                                                             nvme_path=f"{path}/r{rank}", pinned_budget_bytes=1 << 22))
+    m = embeds_model()
+    engine = offload.initialize(m, cfg)
+    for x, y in token_batches():
+        n = x.shape[0] // world_size
+        ids, target = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        emb = m.get_input_embeddings()(ids)  # outside the model's forward, gradients on
+        engine.backward(engine(inputs_embeds=emb, y=target))
+        engine.step()
+    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return sd
+
+
+def test_embeddings_called_outside_the_forward_world_size_1_nvme(tmp_path):
+    got = train_embeds_outside(0, 1, "nvme", str(tmp_path))
+    embeds_bound().check(got, "embeddings outside the forward ws1 nvme")
+
+
+def test_embeddings_called_outside_the_forward_world_size_2(tmp_path):
+    out = run_distributed(train_embeds_outside, 2, "cpu", str(tmp_path))
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+    embeds_bound().check(out[0], "embeddings outside the forward ws2")

@@ -160,6 +160,14 @@ class BackwardTracker:
         t.n_forward += 1
         return list(PostBackward.apply(on_post_backward, *inputs))
 
+    def called_outside(self, unit: FlatUnit) -> None:
+        """A submodule of the unit ran with gradients enabled outside the model's forward:
+        the unit's gradients will need reducing, at the end of backward (no trigger)."""
+        t = self._tracks[unit.index]
+        if t.state is UnitPass.IDLE:
+            t.state = UnitPass.FORWARD
+        t.untracked += 1
+
     def untrack(self, unit: FlatUnit) -> None:
         """A gradient can reach the unit's parameters by a way its trigger does not see (a
         view of them in its output): it waits for the end of backward ([Note: when a unit's

@@ -45,6 +45,9 @@ class Gatherer:
         self._escaped: set[int] = set()
         """Units kept gathered after their forward because the output holds a view of the
         full buffer ([Note: escaped views])."""
+        self._for_backward: set[int] = set()
+        """Units gathered for a grad-enabled call outside the model's forward: kept until the
+        backward reduces them (offload/runtime/gathered.py)."""
 
     # -- the iteration -----------------------------------------------------------------
 
@@ -88,6 +91,8 @@ class Gatherer:
             if not backward_follows:
                 unit.free()  # a forward backward will never visit (eval, no_grad)
             return False
+        if unit.index in self._for_backward:
+            return False  # kept for the backward; the tracker counted the outside call
         if _escapes(unit, output):
             self._escaped.add(unit.index)
             return True
@@ -100,14 +105,20 @@ class Gatherer:
     def next_uses(self, phase: Phase, n: int) -> list[int]:
         return self.schedule.next_uses(phase, n)
 
+    def keep_for_backward(self, unit: FlatUnit) -> None:
+        """Keep `unit` gathered through its next forward until the backward reduces it."""
+        self._for_backward.add(unit.index)
+
     def end_backward(self) -> None:
         """The backward pass ended: the iteration is over; drop what was fetched ahead and
         not used (except copies of this step's new shards, still valid)."""
+        self._for_backward.clear()  # reduced (and freed) by the backward that just ended
         self.schedule.end()
         self.prefetcher.drop(keep_fresh=True)
 
     def abort(self) -> None:
         """A backward died half-way, or the engine failed: forget everything fetched."""
+        self._for_backward.clear()
         self.schedule.end()
         self.prefetcher.drop()
 

@@ -18,9 +18,9 @@ hold that gathered it frees it. Three ways in:
   unit's module (`model.get_input_embeddings()(ids)`, `model.lm_head(h)`): when a unit of
   the call is not gathered (the call is outside the model's forward), it is gathered for
   the call and freed after. Inside the model's forward the units are gathered already and
-  the hooks do nothing. A call that records a graph through parameters gathered this way is
-  refused: their bytes go when the call returns, while autograd would still need them, and
-  the engine would never reduce their gradients.
+  the hooks do nothing. A call with gradients enabled keeps its units gathered instead, until
+  the backward that follows reduces them at its end ([Note: grad-enabled calls outside the
+  forward]): its gradients reach the optimizer as in plain PyTorch.
 - State-dict hooks: `module.state_dict()` holds each unit while torch walks its modules,
   filling every parameter entry with a CPU copy of the full value (compute dtype); and
   `module.load_state_dict(sd)` gives each unit its bytes, lets torch copy and check as
@@ -372,15 +372,24 @@ class Gathering:
             any(p is not None and p.requires_grad for p in module._parameters.values())
             or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
         ):
-            name = self._names.get(id(module), type(module).__name__)
-            raise RuntimeError(
-                f"{name} ({type(module).__name__}) was called outside the model's forward with "
-                "gradients enabled: the engine gathers its parameters for the call only, so "
-                "autograd would find them freed in backward and their gradients would never be "
-                "reduced. Call it under torch.no_grad() (inference), keep the parameters gathered "
-                f"with `with engine.gathered(model.{name}):` for reading, or call it from "
-                "inside the model's forward to train it"
-            )
+            if self.contexts:
+                name = self._names.get(id(module), type(module).__name__)
+                raise RuntimeError(
+                    f"{name} ({type(module).__name__}) was called with gradients enabled inside "
+                    "engine.gathered(...): its backward and step would change the shards the "
+                    "context holds copies of. Leave the context first, or call it under no_grad"
+                )
+            # [Note: grad-enabled calls outside the forward] (`emb = model.get_input_embeddings()
+            # (ids)` then `engine(inputs_embeds=emb, ...)`: the multimodal and TRL pattern). The
+            # units are gathered as for the model's forward and stay so until the backward
+            # reduces them at its end (no trigger sees this call's gradients arrive).
+            for ui in units:
+                unit = self.units[ui]
+                if not unit.is_gathered:
+                    self.gather.gather_now(unit)
+                self.gather.keep_for_backward(unit)
+                self.tracker.called_outside(unit)
+            return None
         stack[-1] = _Frame(module, units, self._hold(units, Hold.READ))
         return None
 
