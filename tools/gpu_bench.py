@@ -403,7 +403,7 @@ def phase_scale(args: argparse.Namespace, res: Results) -> None:
     import offload
 
     device = compute_device(args.dry_run)
-    gpu_mem = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 64 << 20
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 2 << 20
     d, heads, vocab = (2560, 20, 50304) if not args.dry_run else (64, 2, 256)
     seq, bsz = (64, 2) if args.dry_run else (args.seq, args.batch)
     per_layer = 12 * d * d + 13 * d
