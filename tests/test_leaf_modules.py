@@ -16,7 +16,6 @@ PyTorch within the suite's measured fp32 bound.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import pytest
@@ -28,8 +27,9 @@ from offload.compat.deepspeed import utils as ds_utils
 from offload.config import Config, load_config
 from offload.units.partition import plan_units
 from tests.conftest import run_distributed
-from tests.parity import Fp32Bound, plain_loop
-from tests.test_engine import LR, WD, make_config
+from tests.parity import Fp32Bound
+from tests.test_reused_units import fp32_bound, random_batches, train_engine
+from tests.test_engine import make_config
 
 D, EXPERTS, STEPS = 8, 4, 5
 
@@ -82,13 +82,11 @@ def model() -> nn.Module:
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)) for _ in range(STEPS)]
+    return random_batches(seed=3, steps=STEPS, d=D)
 
 
-@functools.lru_cache(maxsize=None)
 def bound() -> Fp32Bound:
-    return Fp32Bound.measure(lambda **o: plain_loop(model, batches(), lr=LR, weight_decay=WD, **o))
+    return fp32_bound(model, batches)
 
 
 def test_a_leaf_is_one_unit_whatever_the_policy_says_of_its_children():
@@ -139,14 +137,7 @@ def train(rank: int, world_size: int, how: str) -> dict:
         cfg = dataclasses.replace(cfg, leaf_modules=("MoE",))
     else:
         ds_utils.set_z3_leaf_modules(m, [MoE])
-    engine = offload.initialize(m, cfg)
-    for x, y in batches():
-        n = x.shape[0] // world_size
-        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
-        engine.step()
-    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
-    engine.close()
-    return sd
+    return train_engine(offload.initialize(m, cfg), rank, world_size, batches())
 
 
 @pytest.mark.parametrize("how", ["config", "set_z3_leaf_modules"])
@@ -192,9 +183,8 @@ def mixtral_batches():
     return gpt_batches(3, batch=4, seq=8, vocab=64)
 
 
-@functools.lru_cache(maxsize=None)
 def mixtral_bound() -> Fp32Bound:
-    return Fp32Bound.measure(lambda **o: plain_loop(MixtralLoss, mixtral_batches(), lr=LR, weight_decay=WD, **o))
+    return fp32_bound(MixtralLoss, mixtral_batches)
 
 
 def train_mixtral(rank: int, world_size: int) -> dict:

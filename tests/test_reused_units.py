@@ -50,32 +50,51 @@ def model() -> nn.Module:
     return ReusedUnits()
 
 
+def random_batches(seed: int = 1, steps: int = STEPS, d: int = D) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, d, generator=g), torch.randn(8, d, generator=g)) for _ in range(steps)]
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)) for _ in range(STEPS)]
+    return random_batches()
 
 
 @functools.lru_cache(maxsize=None)
-def bound(gas: int, clip: float) -> Fp32Bound:
-    return Fp32Bound.measure(lambda **o: plain_loop(model, batches(), lr=LR, weight_decay=WD, gas=gas,
+def fp32_bound(make, make_batches, gas: int = 1, clip: float = 0.0) -> Fp32Bound:
+    """The measured fp32 bound of the plain AdamW loop of `make()` on `make_batches()`."""
+    return Fp32Bound.measure(lambda **o: plain_loop(make, make_batches(), lr=LR, weight_decay=WD, gas=gas,
                                                     clip=clip, **o))
 
 
-def train(rank: int, world_size: int, gas: int, clip: float, tier: str, path: str) -> dict:
+def bound(gas: int, clip: float) -> Fp32Bound:
+    return fp32_bound(model, batches, gas, clip)
+
+
+def tier_config(rank: int, gas: int, clip: float, tier: str, path: str):
+    """The suite's fp32 config; `tier` "nvme": both tiers in a swap file under `path`."""
     cfg = make_config(gas=gas, clip=clip)
     if tier == "nvme":
         os.makedirs(f"{path}/r{rank}", exist_ok=True)
         cfg = dataclasses.replace(cfg, offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme",
                                                              nvme_path=f"{path}/r{rank}", pinned_budget_bytes=1 << 22))
-    engine = offload.initialize(model(), cfg)
-    assert len(engine.units) == 3  # root + the two layers: layers.0 is one unit, called twice
-    for x, y in batches():
+    return cfg
+
+
+def train_engine(engine, rank: int, world_size: int, data) -> dict:
+    """Train on this rank's share of every batch; the full state dict (every rank), closed."""
+    for x, y in data:
         n = x.shape[0] // world_size
         engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
         engine.step()
     sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
     engine.close()
     return sd
+
+
+def train(rank: int, world_size: int, gas: int, clip: float, tier: str, path: str) -> dict:
+    engine = offload.initialize(model(), tier_config(rank, gas, clip, tier, path))
+    assert len(engine.units) == 3  # root + the two layers: layers.0 is one unit, called twice
+    return train_engine(engine, rank, world_size, batches())
 
 
 # (gas, clip): the update in backward (1, 0) and at step() (accumulation, clipping)
@@ -149,19 +168,12 @@ def returns_model() -> nn.Module:
     return ReturnsParameters()
 
 
-@functools.lru_cache(maxsize=None)
 def returns_bound(gas: int, clip: float) -> Fp32Bound:
-    return Fp32Bound.measure(lambda **o: plain_loop(returns_model, batches(), lr=LR, weight_decay=WD, gas=gas,
-                                                    clip=clip, **o))
+    return fp32_bound(returns_model, batches, gas, clip)
 
 
 def train_returns(rank: int, world_size: int, gas: int, clip: float, tier: str, path: str) -> dict:
-    cfg = make_config(gas=gas, clip=clip)
-    if tier == "nvme":
-        os.makedirs(f"{path}/r{rank}", exist_ok=True)
-        cfg = dataclasses.replace(cfg, offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme",
-                                                             nvme_path=f"{path}/r{rank}", pinned_budget_bytes=1 << 22))
-    engine = offload.initialize(returns_model(), cfg)
+    engine = offload.initialize(returns_model(), tier_config(rank, gas, clip, tier, path))
     for x, y in batches():
         n = x.shape[0] // world_size
         engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
@@ -218,19 +230,13 @@ def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randint(0, 32, (8, 3), generator=g), torch.randn(8, 3, D, generator=g)) for _ in range(STEPS)]
 
 
-@functools.lru_cache(maxsize=None)
 def embeds_bound() -> Fp32Bound:
-    return Fp32Bound.measure(lambda **o: plain_loop(embeds_model, token_batches(), lr=LR, weight_decay=WD, **o))
+    return fp32_bound(embeds_model, token_batches)
 
 
 def train_embeds_outside(rank: int, world_size: int, tier: str, path: str) -> dict:
-    cfg = make_config()
-    if tier == "nvme":
-        os.makedirs(f"{path}/r{rank}", exist_ok=True)
-        cfg = dataclasses.replace(cfg, offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme",
-                                                             nvme_path=f"{path}/r{rank}", pinned_budget_bytes=1 << 22))
     m = embeds_model()
-    engine = offload.initialize(m, cfg)
+    engine = offload.initialize(m, tier_config(rank, 1, 0.0, tier, path))
     for x, y in token_batches():
         n = x.shape[0] // world_size
         ids, target = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
