@@ -9,11 +9,11 @@ it. Every device comparison in offload goes through these two.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 
-__all__ = ["canonical", "same_device"]
+__all__ = ["canonical", "same_device", "side_stream"]
 
 DeviceLike = Union[torch.device, str]
 
@@ -40,3 +40,17 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
     if da.index == db.index:
         return True
     return canonical(da) == canonical(db)
+
+
+_SIDE_STREAMS: dict[tuple[str, torch.device], Any] = {}
+
+
+def side_stream(device: DeviceLike, purpose: str) -> Any:
+    """The CUDA stream for `purpose` on `device` ("d2h" gradient copies, "activations"
+    host copies, ...): one per purpose and device for the process, made on first use, so
+    each kind of side copy is ordered among its own kind and overlaps the others."""
+    key = (purpose, canonical(device))
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1])
+    return stream

@@ -20,6 +20,7 @@ import torch
 
 import offload
 from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig
+from offload.devices import side_stream
 from offload.engine import EngineState
 from offload.runtime.optimizer_worker import OptimizerWorker, WorkerState
 from offload.runtime.optimizer_step import uses_worker
@@ -206,10 +207,7 @@ def _slow_side_streams(monkeypatch) -> None:
     orig = shard._copy_down
 
     def slow_copy_down(src, dst):
-        s = shard._D2H_STREAMS.get(src.device)
-        if s is None:
-            s = shard._D2H_STREAMS[src.device] = torch.cuda.Stream(src.device)
-        with torch.cuda.stream(s):
+        with torch.cuda.stream(side_stream(src.device, "d2h")):
             torch.cuda._sleep(2_000_000)
         return orig(src, dst)
 

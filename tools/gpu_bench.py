@@ -70,20 +70,21 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def host_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
+def _proc_kib(path: str, key: str) -> int:
+    """A `key: N kB` line of a /proc file, in bytes (0 when absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def host_rss_bytes() -> int:
+    return _proc_kib("/proc/self/status", "VmRSS")
 
 
 def host_mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def sync(device: torch.device) -> None:

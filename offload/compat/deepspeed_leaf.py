@@ -15,7 +15,7 @@ from typing import Sequence, Union
 
 from torch import nn
 
-from offload.units.partition import LEAF_ATTR
+from offload.units.partition import LEAF_ATTR, class_names, marked_leaf
 
 __all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]
 
@@ -23,8 +23,7 @@ ClassSpec = Union[type, str]
 
 
 def _matches(module: nn.Module, classes: Sequence[ClassSpec]) -> bool:
-    cls = type(module)
-    names = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    names = class_names(module)
     return any((isinstance(c, type) and isinstance(module, c)) or (isinstance(c, str) and c in names)
                for c in classes)
 
@@ -54,7 +53,7 @@ def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[ClassS
 
 def z3_leaf_module(module: nn.Module) -> bool:
     """Whether `module` is marked as a leaf."""
-    return bool(getattr(module, LEAF_ATTR, False))
+    return marked_leaf(module)
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:

@@ -37,6 +37,7 @@ from offload.config.checks import (
     type_error,
 )
 from offload.config.deepspeed_keys import (
+    class_names,
     DS_ONLY_TOP_KEYS,
     TOP_IGNORED,
     TOP_MAPPED,
@@ -175,15 +176,6 @@ OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules")
 """offload's keys that a DeepSpeed-format config may carry at its top level (docs/config.md)."""
 
 
-def _class_names(key: str, value: Any) -> tuple[str, ...]:
-    """A list of module class names (a lone string is one name)."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise type_error(key, value, "a list of module class names")
-    return tuple(value)
-
-
 _DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")
 """Where "auto" is DeepSpeed's own value, not the Hugging Face placeholder."""
 
@@ -218,7 +210,7 @@ def _top_level(t: Translation) -> None:
     known = sorted(TOP_MAPPED | set(TOP_IGNORED) | set(OFFLOAD_EXTENSIONS))
     for key in OFFLOAD_EXTENSIONS:  # offload's own keys a DeepSpeed config may carry
         if key in ds:
-            t.set(key, _class_names(key, ds[key]), key)
+            t.set(key, class_names(key, ds[key]), key)
     for key in ds:
         if key in OFFLOAD_EXTENSIONS:
             continue

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from offload.config.checks import ConfigError, did_you_mean, type_error, valid_keys_fix
 
-__all__ = ["TOP_MAPPED", "TOP_IGNORED", "TOP_UNSUPPORTED", "TOP_REMOVED", "DS_ONLY_TOP_KEYS",
+__all__ = ["class_names", "TOP_MAPPED", "TOP_IGNORED", "TOP_UNSUPPORTED", "TOP_REMOVED", "DS_ONLY_TOP_KEYS",
            "Translation", "read_section", "only_off"]
 
 TOP_MAPPED = frozenset({
@@ -123,3 +123,12 @@ def only_off(key: str, value: Any, off: Any, why: str, fix: str) -> None:
     """A semantic key: accepted at the value meaning "off" (or absent), an error otherwise."""
     if value is not None and value != off:
         raise ConfigError(key, f"= {value!r} is not supported: {why}", fix)
+
+
+def class_names(key: str, value: Any) -> tuple[str, ...]:
+    """A list of module class names at `key` (a lone string is one name)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise type_error(key, value, "a list of module class names")
+    return tuple(value)

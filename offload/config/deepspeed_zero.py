@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from offload.config.checks import ConfigError, coerce, positive_int, rule_error, type_error
-from offload.config.deepspeed_keys import Translation, only_off, read_section
+from offload.config.checks import ConfigError, coerce, positive_int, rule_error
+from offload.config.deepspeed_keys import Translation, class_names, only_off, read_section
 from offload.config.sections import OffloadConfig
 
 __all__ = ["translate_zero"]
@@ -271,9 +271,4 @@ def _leaf_module(t: Translation, raw: Any, path: str) -> None:
             raise ConfigError(f"{path}.{key}", f"= {sec[key]!r}: offload chooses leaf modules by class",
                               f"list their classes in {path}.classes, or call "
                               "offload.compat.deepspeed.utils.set_z3_leaf_modules(model, [classes])")
-    classes = sec.get("classes") or []
-    if isinstance(classes, str):
-        classes = [classes]
-    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        raise type_error(f"{path}.classes", classes, "a list of module class names")
-    t.set("top.leaf_modules", tuple(classes), f"{path}.classes")
+    t.set("top.leaf_modules", class_names(f"{path}.classes", sec.get("classes") or []), f"{path}.classes")

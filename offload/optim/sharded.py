@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from offload.devices import side_stream
 from offload.optim.kinds import initial_value, resolve_param_groups, state_specs, update_fn
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.pinned import pinned_empty
@@ -341,9 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         far (which may still read the old values); the compute stream waits for it at
         `settle_uploads`, and the staging buffer is reused once its event has passed: no
         host wait here (issue #30, F9: a compute-stream sync per unit)."""
-        if self._upload_stream is None:
-            self._upload_stream = torch.cuda.Stream(device)
-        stream = self._upload_stream
+        stream = self._upload_stream = side_stream(device, "upload")
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self._store(t, unit, src)

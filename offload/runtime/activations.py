@@ -41,6 +41,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from offload.devices import side_stream
+
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "ActivationSettings"]
 
 
@@ -202,10 +204,5 @@ def _prefetch_next_recompute(current: _Region) -> None:
         return
 
 
-_STREAMS: dict[Any, Any] = {}
-
-
 def _side_stream(device: torch.device) -> Any:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    return side_stream(device, "activations")

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from offload.devices import side_stream
 from offload.runtime.timeline import Timeline, now
 
 __all__ = ["Prefetcher", "FetchMode"]
@@ -65,7 +66,7 @@ class Prefetcher:
                       else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
         if FetchMode.CUDA_COPY in self.modes:
-            self._stream = torch.cuda.Stream(units[0].device)
+            self._stream = side_stream(units[0].device, "h2d")
 
     @property
     def write_through(self) -> frozenset[int]:

@@ -49,7 +49,13 @@ LEAF_ATTR = "_z3_leaf"
 `offload.compat.deepspeed.utils.set_z3_leaf_modules` too): its subtree is one unit."""
 
 
-def _class_names(module: nn.Module) -> tuple[str, str]:
+def marked_leaf(module: nn.Module) -> bool:
+    """Whether `module` carries the leaf mark (`LEAF_ATTR`)."""
+    return bool(getattr(module, LEAF_ATTR, False))
+
+
+def class_names(module: nn.Module) -> tuple[str, str]:
+    """The names a leaf or unit class may be given by: short, and module-qualified."""
     cls = type(module)
     return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
 
@@ -66,7 +72,7 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
     seen_units: set[int] = set()
 
     def is_leaf(m: nn.Module) -> bool:
-        return bool(getattr(m, LEAF_ATTR, False)) or not leaves.isdisjoint(_class_names(m))
+        return marked_leaf(m) or not leaves.isdisjoint(class_names(m))
 
     def visit(module: nn.Module, prefix: str, inside_unit: bool) -> None:
         for child_name, child in module.named_children():
@@ -86,7 +92,7 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
 
     visit(model, "", False)
     if leaves:
-        found = {n for m in model.modules() for n in _class_names(m)}
+        found = {n for m in model.modules() for n in class_names(m)}
         missing = sorted(leaves - found)
         if missing:
             raise ValueError(

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from offload.devices import same_device
+from offload.devices import same_device, side_stream
 import offload.units.collectives as _dist
 from offload.storage.nvme import wait_quietly
 from offload.storage.tiers import Tier, wait
@@ -524,17 +524,12 @@ class GradReduce:
         return None
 
 
-_D2H_STREAMS: dict[Any, Any] = {}
-
-
 def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> Any:
     """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
     compute stream's work so far; returns the event recorded after the copy. `src` is kept
     from reuse until the copy has read it (`record_stream`)."""
     device = src.device
-    stream = _D2H_STREAMS.get(device)
-    if stream is None:
-        stream = _D2H_STREAMS[device] = torch.cuda.Stream(device)
+    stream = side_stream(device, "d2h")
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
