@@ -54,6 +54,7 @@ from offload.runtime.report import StepReporter
 from offload.runtime.schedule import Phase
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import ShardedState
+from offload.units.deferred import suspended
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
@@ -83,7 +84,8 @@ def initialize(
         and stepped by `engine.step()` at every applied optimizer step (as DeepSpeed does).
         None with `config.scheduler` set builds that schedule.
     """
-    return Engine(model, load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
+    with suspended():  # inside an open offload.init the engine's own tensors are real
+        return Engine(model, load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
 class Engine:

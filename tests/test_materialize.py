@@ -1,23 +1,23 @@
-"""offload.init's replay streams a meta-built model block by block.
+"""Models without values reach `initialize` and are materialised unit by unit.
 
-What it pins: a model built under `offload.init` is materialised one block at a time —
+What it pins: a model built on the meta device by the user is replayed one block at a time —
 every parameter of block i reaches the engine before any module of block i+1 is
 initialized — also when the block itself has no `reset_parameters()` (a plain container of
 Linears and LayerNorms, as in most GPTs). Holding every block to the end would need the
-whole model in fp32 host memory at `initialize`, which is what `offload.init` exists to avoid.
+whole model in fp32 host memory at `initialize`. (A model built under `offload.init` is
+computed parameter by parameter in unit order: tests/test_deferred_init.py pins its bound.)
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import offload
 import offload.units.materialize
 from tests.conftest import TinyGPT
 
 
-def test_meta_init_yields_each_block_before_initializing_the_next(monkeypatch):
+def test_meta_model_yields_each_block_before_initializing_the_next(monkeypatch):
     events: list[tuple[str, int]] = []
 
     def block_of(name: str) -> int:
@@ -35,7 +35,7 @@ def test_meta_init_yields_each_block_before_initializing_the_next(monkeypatch):
     monkeypatch.setattr(offload.units.materialize, "materialize_values", recording)
     cfg = offload.Config(precision=offload.config.sections.PrecisionConfig(dtype="bf16"))
     torch.manual_seed(0)
-    with offload.init(cfg):
+    with torch.device("meta"):
         model = TinyGPT(n_layer=4)
     for i, blk in enumerate(model.blocks):
         for sub in blk.modules():

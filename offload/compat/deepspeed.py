@@ -488,8 +488,9 @@ def _refuse_non_default(method: str, **given: tuple[Any, Any]) -> None:
 
 
 class _ZeroInit:
-    """`deepspeed.zero.Init(config_dict_or_path=...)` -> `offload.init(config)`: modules built
-    inside are created on the meta device and materialised into shards by `initialize`."""
+    """`deepspeed.zero.Init(config_dict_or_path=...)` -> `offload.init(config)`: the
+    construction inside is recorded and each parameter computed into its shard by
+    `initialize`, bit-identical to an eager construction (offload/units/deferred.py)."""
 
     _IGNORED = ("data_parallel_group", "mem_efficient_linear", "remote_device", "pin_memory",
                 "dtype", "sequence_data_parallel_group", "param_swapper")

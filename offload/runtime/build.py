@@ -96,6 +96,7 @@ def build(
 ) -> Built:
     """Shard `model` for training (see the module docstring). `owner` is the object whose
     garbage collection deletes the swap files (the Engine)."""
+    materialize.materialize_buffers(model)  # a model built under offload.init: small, first
     # Before anything is allocated: a parameter the model wants in fp32 is refused here.
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules, config.leaf_modules)

@@ -1,30 +1,24 @@
-"""Materialising a model built under `offload.init` straight into its shards.
+"""Materialising a model whose parameters have no values yet straight into its shards.
 
-    with offload.init(config):
-        model = GPT(cfg)              # parameters on the meta device: no memory
-    engine = offload.initialize(model, config)   # materialised unit by unit into shards
+Three kinds of models reach `initialize` without values, and each parameter's value is
+made as its unit is filled, so the host never holds the whole model:
 
-Inside the context every tensor is created on the meta device (torch's own
-`torch.device("meta")` mode; nothing is patched). `initialize` then replays the model's
-initialization one module at a time and copies each parameter's values into the rank's
-shard as soon as its module is done, so a model larger than one process's memory can be
-created: the peak is one unit's full parameters plus the shards.
-
-What is guaranteed (the replay is `reset_parameters()` in `model.apply` order):
-- For models whose parameters are initialized by their modules' `reset_parameters()` —
-  every `torch.nn` layer, and custom modules that define one — the weights are *equal*
-  to a plain construction under the same seed: `torch.nn` layers call `reset_parameters()`
-  when constructed, children before their parent, which is the order replayed here.
-- A parameter shared by several modules keeps the values of the first module (in that
-  order) that initializes it, as `b.weight = a.weight` after constructing `a` then `b`
-  does; the later modules still draw their random numbers, so everything after stays equal.
-- `init_fn` (given to `offload.init`) is applied to each module right after its
-  `reset_parameters()`, like `model.apply(init_fn)` — but interleaved, so the weights
-  equal a plain construction only when `init_fn` draws no random numbers; otherwise they
-  have the same distribution, not the same values.
-- A parameter that neither `reset_parameters()` nor `init_fn` initialized is an error
-  naming it (its values would be garbage), as is a buffer left on the meta device.
-
+- **Built under `offload.init`** (the values deferred: `offload.units.deferred`): each
+  parameter is computed from what its construction recorded, bit-identical to an eager
+  construction from the same seed ([Note: deferred construction]); its buffers are computed
+  before anything else (`materialize_buffers`). A parameter allocated by `torch.empty` and
+  never written is an error naming it (eager mode would train from garbage).
+- **Built on the meta device by the user** (`with torch.device("meta"):`, FSDP2's habit):
+  `reset_parameters()` is replayed in `model.apply` order, one module at a time. For models
+  whose parameters are initialized by their modules' `reset_parameters()` — every
+  `torch.nn` layer, and custom modules that define one — the weights are *equal* to a plain
+  construction under the same seed *at initialize* (`torch.nn` layers call
+  `reset_parameters()` when constructed, children before their parent, the order replayed
+  here); a parameter shared by several modules keeps the values of the first module that
+  initializes it, and the later ones still draw, so everything after stays equal. A
+  parameter no `reset_parameters()` initializes is an error naming it, as is a buffer left
+  on the meta device. (`offload.init` is the way to get construction-time values for any
+  init: a parent's `apply`, Hugging Face's `post_init`.)
 Values from a source instead (a checkpoint: `offload.integrations.hf.from_pretrained`):
 `attach_source(model, source, init_fn)` hands the next `initialize` of `model` — or of a
 model containing it (a PEFT wrapper) — a `WeightSource`, and then no module is replayed.
@@ -57,11 +51,11 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch import nn
 
-__all__ = ["WeightSource", "attach_source", "materialize_values", "set_pending_init_fn"]
+import offload.units.deferred as deferred
+
+__all__ = ["WeightSource", "attach_source", "materialize_buffers", "materialize_values"]
 
 InitFn = Callable[[nn.Module], None]
-
-_PENDING_INIT_FN: Optional[InitFn] = None
 
 
 class WeightSource(Protocol):
@@ -116,10 +110,17 @@ def attach_source(model: nn.Module, source: WeightSource, init_fn: Optional[Init
     _SOURCES[model] = _Attached(source, init_fn, names)
 
 
-def set_pending_init_fn(fn: Optional[Callable[[nn.Module], None]]) -> None:
-    """Called by `offload.init` on exit: the init_fn the next replay applies."""
-    global _PENDING_INIT_FN
-    _PENDING_INIT_FN = fn
+def materialize_buffers(model: nn.Module) -> None:
+    """Compute the buffers of a model built under `offload.init` (small: done first, whole)."""
+    with deferred.Session() as session:
+        done: dict[int, torch.Tensor] = {}
+        for m in model.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None and deferred.is_deferred(b):
+                    if id(b) not in done:
+                        done[id(b)] = deferred.evaluate(b, session)
+                    m._buffers[name] = done[id(b)]
+                    deferred.forget(b)
 
 
 def materialize_values(
@@ -140,6 +141,9 @@ def materialize_values(
                 a.source.close()
         return
     all_records = [rec for recs in records for rec in recs]
+    if any(deferred.is_deferred(rec.param) for rec in all_records):
+        yield from _deferred_values(records)
+        return
     if not any(rec.param.is_meta for rec in all_records):
         for rec in all_records:
             yield id(rec.param), rec.param.detach()
@@ -147,9 +151,30 @@ def materialize_values(
     yield from _replay(model, all_records)
 
 
+def _deferred_values(records: list[list[Any]]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each parameter of a model built under `offload.init`, computed in unit order; the
+    cached outputs of shared calls are dropped between units."""
+    unset = [rec.name for recs in records for rec in recs if deferred.unset(rec.param)]
+    if unset:
+        raise ValueError(
+            f"parameters {unset[:8]}{'...' if len(unset) > 8 else ''} were allocated under "
+            "offload.init (torch.empty) and nothing wrote them: an eager construction would train "
+            "from whatever was in memory. Initialize them in the constructor (nn.init, "
+            "reset_parameters(), a parent's apply), or pass offload.init(config, init_fn=...)")
+    with deferred.Session() as session:
+        for recs in records:
+            for rec in recs:
+                if deferred.is_deferred(rec.param):
+                    value = deferred.evaluate(rec.param, session)
+                    deferred.forget(rec.param)
+                else:
+                    value = rec.param.detach()
+                yield id(rec.param), value
+                del value  # the master has its slice: nothing here keeps the full value
+            session.forget()
+
+
 def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, torch.Tensor]]:
-    global _PENDING_INIT_FN
-    init_fn, _PENDING_INIT_FN = _PENDING_INIT_FN, None
     owners_of = {id(r.param): r.owners for r in all_records}
     originals = {id(r.param): r.param for r in all_records}
     names = {id(r.param): r.name for r in all_records}
@@ -200,15 +225,15 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
         # A direct child of the model or of a ModuleList/Dict (a transformer block) ends a
         # unit's worth of modules: its values go out now, so at most one block is held.
         block_end = up is model or isinstance(up, (nn.ModuleList, nn.ModuleDict))
-        if not has_reset and init_fn is None:
+        if not has_reset:
             # A container with nothing of its own to initialize (a Block of Linears) still
             # ends its subtree here: skipping the flush would hold every block to the end.
             if block_end:
                 yield from flush(m)
             continue
         # reset_parameters() may touch the module's children (nn.MultiheadAttention sets
-        # out_proj.bias); init_fn, like model.apply's function, sees one module.
-        scope = list(m.modules()) if has_reset else [m]
+        # out_proj.bias).
+        scope = list(m.modules())
         subtree = {id(x) for x in m.modules()}
         restore = []
         for sub in scope:
@@ -234,10 +259,7 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
                 if b is not None and b.is_meta:
                     sub._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype)
         with torch.no_grad():
-            if has_reset:
-                m.reset_parameters()
-            if init_fn is not None:
-                init_fn(m)
+            m.reset_parameters()
         for sub, attr, p in restore:
             sub._parameters[attr] = p
         for sub in scope:
@@ -250,10 +272,9 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
     missing = [names[pid] for pid in originals if pid not in initialized_by]
     if missing:
         raise ValueError(
-            f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} were built under "
-            "offload.init but no reset_parameters() (and no init_fn) initializes them; give "
-            "their module a reset_parameters(), pass offload.init(config, init_fn=...), or "
-            "build the model without offload.init"
+            f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} are on the meta "
+            "device and no reset_parameters() initializes them; give their module a "
+            "reset_parameters(), or build the model under offload.init (which keeps any init)"
         )
     for pid in list(real):
         done.add(pid)
