@@ -329,8 +329,7 @@ class Engine:
         engine enters EngineState.FAILED: load a checkpoint to go on."""
         self._check_ready("engine.step")
         self._finish_backward()
-        boundary = self.policy.is_boundary()
-        self.policy.counters.micro_steps += 1
+        boundary = self.policy.end_micro_batch()  # counts it (and the backward passes it ran)
         if not boundary:
             return
         try:

@@ -8,7 +8,8 @@ per backward pass, of where updates run (`StepMode`):
 - `IN_BACKWARD`: each unit is updated as soon as its gradient shard is final (its
   reduce-scatter completed), under the backward of the units before it. Only when nothing
   needs the whole gradient first: no clipping, no fp16 loss scale, at a boundary, and no
-  non-finite loss this step (docs/prefetch.md).
+  non-finite loss this step, and where the user's micro-batches run one backward pass each
+  ([Note: several backward passes per step]; docs/prefetch.md).
 
 [Note: the norm of every step]
 The global gradient norm is reported for every applied step (`counters.last_grad_norm`,
@@ -20,6 +21,42 @@ before its update, when the shard is final, and the step adds these partial sums
 same unit order. Either way the sum runs in float64 over units in index order and is
 all-reduced once, so the norm clipping uses is the one it always used: training does not
 change. A step that is skipped reports inf (as DeepSpeed's ZeRO-3 does).
+
+[Note: several backward passes per step]
+A loop may call `engine.backward()` more than once before `engine.step()` without marking
+the accumulation boundary (a loss computed in parts, each part's backward run as soon as it
+is ready). DeepSpeed accumulates such passes, and so does the engine. An update that runs
+during a backward pass cannot take a later pass's gradients, and nothing at a pass's start
+says whether another will follow before `step()`, so the policy learns the pattern:
+- It counts the backward passes begun at a boundary since the last `step()`
+  (`boundary_passes`; a pass the user marked with `set_gradient_accumulation_boundary(False)`,
+  DeepSpeed's way, is accumulation and does not count).
+- The first boundary micro-batch of the run that runs a backward pass updates at `step()`
+  (the learning step). If it, or any later boundary micro-batch, ran more than one pass, the
+  run is multi-pass: every later boundary updates at `step()`, the passes accumulating into
+  the gradient shards as micro-batches do. Only while every boundary micro-batch so far ran
+  exactly one pass does the first pass of the next one update during backward. A further
+  pass after a first one that updated at `step()` simply accumulates.
+- The learning step costs that one step's overlap of the update with backward, and no
+  memory: outside transient shards every unit's gradient shard is held for the whole run
+  anyway (the planner counts it), and an update at `step()` uses the same pinned pool.
+- Transient gradient shards (`offload.optim.sharded.transient_grad_shards`: a CPU run with
+  the update in backward, gradient_accumulation_steps 1, no clipping) are the exception:
+  each shard exists only from its unit's reduce to its update, and the plan counts no
+  gradient memory, so holding a whole step's gradients for a learning step would take
+  4 bytes per parameter of host memory the plan left out. Such runs update during the first
+  backward pass from the first step on.
+- A pass that begins after this step's updates already ran (a transient run's second pass,
+  or a run that changes from one pass per step to two) raises. It cannot be refused before
+  the updates: they ran during the first pass, when nothing said a second would follow. The
+  error says so: the weights hold the first pass's update (a whole update, of fewer samples
+  than the user meant; never a unit updated twice or left half-done), the refused pass
+  added no gradient, and the fixes are `set_gradient_accumulation_boundary(False)` before
+  every pass of a step but the last (True or None before the last), or
+  `prefetch.optimizer_in_backward=false`. A run without transient shards then updates at
+  `step()` from its next step on. With transient shards, either fix holds the gradient
+  shards between the passes (4 bytes per parameter more than the plan counted; a config
+  with gradient_accumulation_steps > 1 makes the planner count them).
 """
 
 from __future__ import annotations
@@ -74,6 +111,16 @@ class StepPolicy:
         ends an accumulation window, instead of counting micro-batches (None: count)."""
         self.lr_scheduler: Any = None
         self.mode = StepMode.AT_STEP
+        self.boundary_passes = 0
+        """Backward passes begun at an accumulation boundary since the last `engine.step()`
+        ([Note: several backward passes per step])."""
+        self._learned = False
+        """A boundary micro-batch with a backward pass has been seen (the learning step)."""
+        self._multi_pass = False
+        """A boundary micro-batch ran several backward passes: boundaries update at step()."""
+        self._user_clips = False
+        """`engine.clip_grad_norm_` was called (it needs the whole gradient before any
+        update): boundaries update at step(), as for several passes."""
         self.updated: set[int] = set()
         """Units whose update already ran during this step's backward."""
         self.pass_updates = 0
@@ -102,6 +149,18 @@ class StepPolicy:
         if self.boundary is not None:
             return self.boundary
         return (self.counters.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def end_micro_batch(self) -> bool:
+        """`engine.step()`: count the micro-batch; returns whether it ends an accumulation
+        window. A boundary with a backward pass teaches the policy how many passes the
+        user's micro-batches run ([Note: several backward passes per step])."""
+        boundary = self.is_boundary()
+        self.counters.micro_steps += 1
+        if boundary and self.boundary_passes:
+            self._learned = True
+            self._multi_pass |= self.boundary_passes > 1
+        self.boundary_passes = 0
+        return boundary
 
     @property
     def step_index(self) -> int:
@@ -135,25 +194,51 @@ class StepPolicy:
     # -- updates during backward -----------------------------------------------------------
 
     def start_backward(self) -> StepMode:
-        """Decide, once per backward pass, whether units update as their gradients finish."""
+        """Decide, once per backward pass, whether units update as their gradients finish
+        ([Note: several backward passes per step])."""
         self.pass_updates = 0
         self._norm = None  # the gradients are about to change
+        at_boundary = self.is_boundary()
+        self.boundary_passes += int(at_boundary)
         if self.updated:
-            raise RuntimeError(
-                "a second backward pass before engine.step(), after the first one already ran "
-                "optimizer updates (prefetch.optimizer_in_backward); call engine.step() after "
-                "each engine.backward(), or set prefetch.optimizer_in_backward=false"
-            )
+            # Raised at the first moment anything shows a second pass: the updates ran
+            # during the first one, when nothing said another would follow.
+            self._multi_pass = True  # a run without transient shards accumulates from now on
+            raise RuntimeError(self._second_pass_message())
         in_backward = (
             self.config.prefetch.optimizer_in_backward
             and self._nonfinite_loss is None  # this step will be skipped
             and float(self.config.gradient_clipping) <= 0.0
             and self.dtype != torch.float16
             and self.scaler.scale == 1.0
-            and self.is_boundary()
+            and at_boundary
+            and self.boundary_passes == 1  # a later pass adds to what the first one left
+            # learned: every boundary so far ran one pass (transient shards: from the start)
+            and (self.transient_grads or (self._learned and not self._multi_pass and not self._user_clips))
         )
         self.mode = StepMode.IN_BACKWARD if in_backward else StepMode.AT_STEP
         return self.mode
+
+    def _second_pass_message(self) -> str:
+        if self.transient_grads:
+            why = ("this run updates during the first backward of every step: it keeps each "
+                   "gradient shard only from its reduce to its update (a CPU run, "
+                   "gradient_accumulation_steps 1, no clipping: transient gradient shards), so "
+                   "it cannot hold a step's gradients for a later backward")
+        else:
+            why = ("every step so far ran one backward, so this step's updates ran during its "
+                   "first; from the next step on, the engine accumulates several backward "
+                   "passes and updates at engine.step()")
+        return (
+            f"a second engine.backward() before engine.step() at optimizer step "
+            f"{self.step_index}, after the first one already ran this step's optimizer updates "
+            f"during backward (prefetch.optimizer_in_backward): {why}. The weights hold the "
+            "first backward's update; this backward was refused and added no gradient. Call "
+            "engine.set_gradient_accumulation_boundary(False) before every engine.backward() of "
+            "a step but the last, and set_gradient_accumulation_boundary(True) (or None) before "
+            "the last (DeepSpeed's way: they accumulate, the last one updates), or set "
+            "prefetch.optimizer_in_backward=false; call engine.step() to finish this step"
+        )
 
     def check_gradients_wanted(self, unit: FlatUnit) -> None:
         """Raise when `unit` would receive gradients after its update ran in backward."""
@@ -353,6 +438,7 @@ class StepPolicy:
         if self._norm is None:
             self._norm = self._grad_norm(1.0 / (self.scaler.scale * gas))
         self.clip_request = float(max_norm)
+        self._user_clips = True  # learned as several passes are: later steps update at step()
         return self._norm
 
     def discard_gradients(self) -> None:
@@ -371,6 +457,7 @@ class StepPolicy:
         self._norm = None
         self.clip_request = None
         self.pass_updates = 0
+        self.boundary_passes = 0
         self._hyper_at_backward = None
 
     # -- helpers ---------------------------------------------------------------------------
