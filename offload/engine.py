@@ -5,11 +5,9 @@
     engine.backward(loss)
     engine.step()               # optimizer step at accumulation boundaries
 
-What happens underneath is in docs/engine.md and docs/architecture.md: `runtime.build`
-makes the units, tiers and optimizer state; module hooks ask the collaborator that owns each
-piece of state (the `Gatherer`, the `BackwardTracker`, the `StepPolicy`); NVMe swap files
-are checked at `initialize` and deleted by `close()` (also on `with` exit, at garbage
-collection and at interpreter exit).
+Underneath (docs/engine.md, docs/architecture.md): `runtime.build` makes the units, tiers
+and optimizer state; module hooks ask the collaborator that owns each piece of state; swap
+files are deleted by `close()` (also on `with` exit, at garbage collection and at exit).
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from offload.runtime.grads import Gradients
 from offload.runtime.lifecycle import (
     LIVE_ENGINES,
     EngineState,
+    drain_at_exit,
     bind,
     bind0,
     cast_inputs,
@@ -131,6 +130,7 @@ class Engine:
         self._close_nvme: Optional[Callable[[], Any]] = None
         self._hooks: list[Any] = []
         LIVE_ENGINES.add(self)
+        self._at_exit = drain_at_exit(self)  # a script that ends without close()
         self.state = EngineState.READY
         self._failure: Optional[BaseException] = None
         """What put the engine in EngineState.FAILED (the step's own error)."""
@@ -559,6 +559,7 @@ class Engine:
         engine started it. Idempotent; also what `with initialize(...) as engine:` does on
         exit."""
         LIVE_ENGINES.discard(self)
+        self._at_exit.detach()
         if getattr(self, "policy", None) is not None:  # the worker's updates land first
             self.policy.close()
         if getattr(self, "reporter", None) is not None:
@@ -568,7 +569,7 @@ class Engine:
             unmark_synced_generation(self.module)
         if getattr(self, "backward_tracker", None) is not None:  # absent when __init__ failed early
             self.gather.drop()
-            self._drain_collectives()
+            self.drain()
         if released_parameters(self.module) and not getattr(self, "_closed_hook", None):
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.
@@ -583,12 +584,11 @@ class Engine:
             _dist.settle_collectives()
             dist.destroy_process_group()
 
-    def _drain_collectives(self) -> None:
-        """Wait for every collective this engine issued asynchronously (the gathers issued
-        ahead, e.g. for the next iteration's first units, and gradient reduce-scatters), then
-        until gloo's threads let their tensors go ([Note: collective tensors at exit] in
-        offload/units/collectives.py). Every rank issued the same collectives, so each wait
-        completes."""
+    def drain(self) -> None:
+        """Wait for every collective this engine issued asynchronously (gathers issued ahead,
+        gradient reduce-scatters), then until gloo's threads let their tensors go ([Note:
+        collective tensors at exit]): `close()` and the interpreter's exit call it. A
+        collective: every rank issued the same ones, so each wait completes."""
         self.backward_tracker.drain()
         self.gather.free_all()  # waits for a gather in flight
         _dist.settle_collectives()  # [Note: collective tensors at exit]

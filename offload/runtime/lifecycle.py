@@ -7,10 +7,9 @@ concern; nothing here imports the engine (it holds engines only weakly, as objec
 
 from __future__ import annotations
 
-import atexit
 import enum
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -28,20 +27,36 @@ __all__ = ["EngineState"]
 # weakly, and a finalizer removes them when the engine is collected.
 
 
+class Drains(Protocol):
+    """An engine, as the exit path sees it."""
+
+    def drain(self) -> None:
+        """Finish every collective the engine issued asynchronously (a collective: every
+        rank's engine calls it at the same point)."""
+
+
 LIVE_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
-"""Engines not yet closed, for the exit hook below."""
+"""Engines not yet closed (`zero.GatheredParameters` and `safe_get_full_grad` find the
+owner of a parameter among them)."""
 
 
-@atexit.register
-def _drain_live_engines_at_exit() -> None:
-    """A script that ends without engine.close(): finish each live engine's collectives in
-    flight before the interpreter tears down ([Note: collective tensors at exit])."""
-    for engine in list(LIVE_ENGINES):
+def drain_at_exit(engine: Drains) -> weakref.finalize:
+    """A script that ends without engine.close(): the interpreter's exit calls
+    `engine.drain()` before it tears down ([Note: collective tensors at exit]). The returned
+    finalizer holds the engine weakly (a dropped engine is collected as before); `close()`
+    detaches it."""
+    ref = weakref.ref(engine)
+
+    def at_exit() -> None:
+        live = ref()
+        if live is None:
+            return
         try:
-            if getattr(engine, "prefetcher", None) is not None:
-                engine._drain_collectives()
+            live.drain()
         except Exception:  # noqa: BLE001 - exiting anyway; a failed wait must not mask the exit
             pass
+
+    return weakref.finalize(engine, at_exit)  # atexit=True: run at exit while the engine lives
 
 
 class EngineState(enum.Enum):
