@@ -257,3 +257,79 @@ def test_embeddings_called_outside_the_forward_world_size_2(tmp_path):
     out = run_distributed(train_embeds_outside, 2, "cpu", str(tmp_path))
     assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
     embeds_bound().check(out[0], "embeddings outside the forward ws2")
+
+
+# -- every structure above at stages 1 and 2, and in bf16 (issue #29) --------------------------------
+# One spawn trains the whole matrix on both ranks (a spawn costs seconds, a tiny run
+# milliseconds): each structure at stage 1 and 2 (fp32, the update in backward and, with
+# accumulation, at step()) and at stage 3 in bf16 (the update in backward and at step()).
+
+STRUCTURES = {"reused unit": (model, batches), "returned parameter": (returns_model, batches),
+              "embeddings outside": (embeds_model, token_batches)}
+MATRIX = [(stage, "fp32", gas) for stage in (1, 2) for gas in (1, 2)] + [(3, "bf16", 1), (3, "bf16", 2)]
+
+
+def _train_structure(kind: str, rank: int, world_size: int, stage: int, dtype: str, gas: int) -> dict:
+    make, make_batches = STRUCTURES[kind]
+    m = make()
+    engine = offload.initialize(m, make_config(dtype=dtype, gas=gas, zero_stage=stage))
+    for x, y in make_batches():
+        n = x.shape[0] // world_size
+        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        if kind == "embeddings outside":
+            loss = engine(inputs_embeds=m.get_input_embeddings()(x), y=y)
+        else:
+            loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    engine.close()
+    return sd
+
+
+def _train_matrix(rank: int, world_size: int) -> dict:
+    return {(kind, *combo): _train_structure(kind, rank, world_size, *combo)
+            for kind in STRUCTURES for combo in MATRIX}
+
+
+@functools.lru_cache(maxsize=None)
+def lowp_bound(kind: str, gas: int):
+    from tests.parity import TrajectoryBound
+
+    make, make_batches = STRUCTURES[kind]
+    init = {k: v.detach().clone() for k, v in make().state_dict().items()}
+    return TrajectoryBound.measure(lambda **o: plain_loop(make, make_batches(), lr=LR, weight_decay=WD, gas=gas,
+                                                          compute_dtype=torch.bfloat16, **o), init)
+
+
+def _check(kind: str, stage: int, dtype: str, gas: int, sd: dict, what: str) -> None:
+    make, make_batches = STRUCTURES[kind]
+    if dtype == "bf16":
+        lowp_bound(kind, gas).check(sd, what)
+    else:
+        fp32_bound(make, make_batches, gas, 0.0).check(sd, what)
+
+
+@pytest.fixture(scope="module")
+def matrix_ws2():
+    out = run_distributed(_train_matrix, 2)
+    return out[0]
+
+
+@pytest.mark.parametrize("kind", list(STRUCTURES))
+@pytest.mark.parametrize("stage,dtype,gas", MATRIX)
+def test_structure_world_size_2_stages_and_bf16(matrix_ws2, kind, stage, dtype, gas):
+    _check(kind, stage, dtype, gas, matrix_ws2[(kind, stage, dtype, gas)], f"{kind} ws2 stage {stage} {dtype} gas{gas}")
+
+
+@pytest.mark.parametrize("kind", list(STRUCTURES))
+@pytest.mark.parametrize("gas", [1, 2])
+def test_structure_world_size_1_bf16(kind, gas):
+    _check(kind, 3, "bf16", gas, _train_structure(kind, 0, 1, 3, "bf16", gas), f"{kind} ws1 bf16 gas{gas}")
+
+
+def test_negative_control_bf16_bound_can_fail():
+    """A bf16 run that skips every other micro-batch's gradients lands outside the bound."""
+    lossy = plain_loop(model, batches(), lr=LR, weight_decay=WD, gas=1, compute_dtype=torch.bfloat16,
+                       skip=range(0, STEPS, 2))
+    assert lowp_bound("reused unit", 1).ratio(lossy) > 10
