@@ -4,6 +4,10 @@
   `--rss-budget 4GiB`, `--pinned-budget 1200000000`): `offload.sizes.parse_bytes`, so every
   flag takes the same forms (GB = 10**9 bytes, GiB = 2**30) and a bad one is argparse's
   usage error with parse_bytes' message.
+- `interruptions(on_interrupt)` turns SIGINT and SIGTERM into one line (`on_interrupt()`
+  cleans up and says what: the step, what was cleaned, the last complete checkpoint and how
+  to resume) and the signal's exit status (130, 143), with no traceback unless
+  `OFFLOAD_DEBUG=1` (or the script's `--debug`) asks for it.
 - `engine_errors()` wraps what the engine checks at the door (config, swap directory,
   `initialize`, `load_checkpoint`): a ValueError/TypeError/OSError/NotImplementedError raised
   there already says what was wrong and the fix, so the script prints it as one line,
@@ -13,14 +17,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from offload.sizes import parse_bytes
 from offload.storage.swap import make_swap_dir
 
-__all__ = ["size_arg", "add_tier_flags", "engine_errors", "one_line", "make_swap_dir", "EXIT_USAGE"]
+__all__ = ["size_arg", "add_tier_flags", "engine_errors", "interruptions", "one_line", "make_swap_dir",
+           "EXIT_USAGE"]
 
 EXIT_USAGE = 2
 
@@ -74,3 +82,30 @@ def engine_errors() -> Iterator[None]:
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE) from None
+
+
+@contextmanager
+def interruptions(on_interrupt: Callable[[str], str], debug: bool = False) -> Iterator[None]:
+    """SIGINT (Ctrl-C) or SIGTERM inside: `on_interrupt(signal_name)` cleans up and returns
+    the line to print; the process exits with 128 + the signal's number (130, 143), as a
+    shell reports a signalled process. A traceback only with `debug` or OFFLOAD_DEBUG=1."""
+    received = [signal.SIGINT]
+
+    def on_term(signum: int, frame: object) -> None:
+        received[0] = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if debug or os.environ.get("OFFLOAD_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        line = on_interrupt(received[0].name)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(received[0])) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

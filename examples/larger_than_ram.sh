@@ -10,7 +10,7 @@
 #   SIZE=1b STEPS=2 OUT=/tmp/run examples/larger_than_ram.sh
 #
 # Settings (environment): SIZE (train_gpt.py preset, default 4b), STEPS (3), SEQ (32),
-# BATCH (1), OUT (logs, default /work/bigrun), NVME (swap directory on a local disk, default
+# BATCH (1), OUT (logs, default ./bigrun under the current directory), NVME (swap directory on a local disk, default
 # $OUT/swap; not tmpfs), PINNED (staging pool bytes, default 1.2e9: one 4b block's working
 # set), RSS_BUDGET (default 4GiB), MOMENTS (fp32; bf16 saves 4 B/param of disk),
 # CLIP (gradient clipping, default 0: every unit is then updated during backward and its
@@ -27,7 +27,7 @@ SIZE="${SIZE:-4b}"
 STEPS="${STEPS:-3}"
 SEQ="${SEQ:-32}"
 BATCH="${BATCH:-1}"
-OUT="${OUT:-/work/bigrun}"
+OUT="${OUT:-$PWD/bigrun}"
 NVME="${NVME:-$OUT/swap}"
 PINNED="${PINNED:-1200000000}"
 RSS_GIVEN="${RSS_BUDGET:-}"

@@ -12,7 +12,11 @@ engine starts the process group from them):
 
 Tiers: --param-tier device|cpu|nvme, --optimizer-tier cpu|nvme (--nvme-path DIR), or
 --placement auto to let the memory planner choose for this machine. Checkpoints:
---save-dir DIR --save-every N, and --resume to continue from DIR's latest checkpoint.
+--save-dir DIR --save-every N (a line per save with its size; --keep-last N removes older
+ones once a newer one is complete), and --resume to continue from DIR's latest checkpoint.
+Ctrl-C or SIGTERM ends the run with one line (the step, the cleanup, the last complete
+checkpoint and the command to resume) and exit status 130 / 143; --debug (or
+OFFLOAD_DEBUG=1) adds the traceback.
 Rank 0 shows step, loss, tokens/s, the bytes the engine holds per tier and the learning rate:
 a tqdm bar when stdout is a terminal, else one line every --log-every steps
 (examples/progress.py); at the end, the peak resident memory of the process against the
@@ -53,7 +57,7 @@ except ImportError:  # pragma: no cover - depends on how the example is launched
 from offload.models.gpt import GPT, GPT_PRESETS
 from offload.sizes import GiB, format_bytes
 
-from cli import add_tier_flags, engine_errors, make_swap_dir, size_arg  # examples/cli.py
+from cli import add_tier_flags, engine_errors, interruptions, make_swap_dir, size_arg  # examples/cli.py
 from progress import Progress  # examples/progress.py
 
 
@@ -176,6 +180,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     c = p.add_argument_group("checkpoints and output")
     c.add_argument("--save-dir", default=None, help="checkpoint directory")
     c.add_argument("--save-every", type=int, default=0, help="optimizer steps between checkpoints")
+    c.add_argument("--keep-last", type=int, default=None,
+                   help="keep only the newest N complete checkpoints in --save-dir (older ones are "
+                        "removed after each save completes); default: keep all")
+    c.add_argument("--debug", action="store_true", help="print the traceback of an interruption")
     c.add_argument("--resume", action="store_true", help="continue from --save-dir's latest checkpoint")
     c.add_argument("--log-every", type=int, default=1,
                    help="steps between progress lines when stdout is not a terminal")
@@ -196,6 +204,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.precision == "auto":
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
         args.precision = "bf16" if on_gpu else "fp32"
+    if args.keep_last is not None and args.keep_last < 1:
+        p.error(f"--keep-last {args.keep_last} must be at least 1 (the newest checkpoint is always kept)")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         p.error(f"--stop-after {args.stop_after} must be between 1 and --steps {args.steps}")
     if args.resume and not args.save_dir:
@@ -310,42 +320,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     engine.train()
     data = batches(args, rank, start)
     tokens_per_step = args.batch * args.seq * args.accum * world
-    loss_value = float("nan")
-    tok_s = 0.0
     step_s: list[float] = []
     io_per_step: list[int] = []
     io_wait_s: list[float] = []
     t_run = time.perf_counter()
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        io0 = engine.io_stats()
-        total = 0.0
-        for _ in range(args.accum):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        loss_value = total / args.accum
-        dt = time.perf_counter() - t0
-        io1 = engine.io_stats()
-        step_s.append(dt)
-        io_per_step.append(int(io1["bytes_read"] - io0["bytes_read"] + io1["bytes_written"] - io0["bytes_written"]))
-        io_wait_s.append(io1["wait_s"] - io0["wait_s"])
-        tok_s = tokens_per_step / dt
-        done = step + 1
-        if args.save_dir and args.save_every and (done % args.save_every == 0 or done == end):
-            engine.save_checkpoint(args.save_dir, client_state={"step": done, "schedule": _schedule(args)})
-        if progress is not None:
-            mem = engine.memory_bytes()
-            tiers = " ".join(f"{k} {_mib(v)}" for k, v in mem.items())  # device host [pinned] nvme
-            # Most important first: a bar too wide for the terminal drops fields from the end.
-            fields = [f"loss {loss_value:.4f}", f"tok/s {_rate(tok_s)}", f"mem {tiers}",
-                      f"lr {engine.get_lr()[0]:.2e}"]
-            if io_per_step[-1]:
-                fields.append(f"| {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
-                              f"waited {io_wait_s[-1]:.1f} s")
-            progress.update(done, fields)
+    at = [start]  # the optimizer steps completed, for an interruption's line
+    with interruptions(lambda sig: _interrupted(engine, args, at[0], sig, progress), debug=args.debug):
+        loss_value, tok_s = _train(engine, args, data, start, end, at, progress, tokens_per_step,
+                                   step_s, io_per_step, io_wait_s)
     if progress is not None:
         progress.close()
     memory = engine.memory_bytes()
@@ -370,6 +352,86 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(f"peak RSS {_size(peak)} exceeded --rss-budget {_size(args.rss_budget_bytes)}", file=sys.stderr)
         raise SystemExit(3)
     return result
+
+
+def _train(engine, args: argparse.Namespace, data, start: int, end: int, at: list, progress,
+           tokens_per_step: int, step_s: list, io_per_step: list, io_wait_s: list) -> tuple[float, float]:
+    """The training loop: steps start..end; `at[0]` follows the steps completed."""
+    loss_value, tok_s = float("nan"), 0.0
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        io0 = engine.io_stats()
+        total = 0.0
+        for _ in range(args.accum):
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        loss_value = total / args.accum
+        dt = time.perf_counter() - t0
+        io1 = engine.io_stats()
+        step_s.append(dt)
+        io_per_step.append(int(io1["bytes_read"] - io0["bytes_read"] + io1["bytes_written"] - io0["bytes_written"]))
+        io_wait_s.append(io1["wait_s"] - io0["wait_s"])
+        tok_s = tokens_per_step / dt
+        done = step + 1
+        at[0] = done
+        if args.save_dir and args.save_every and (done % args.save_every == 0 or done == end):
+            _save(engine, args, done)
+        if progress is not None:
+            mem = engine.memory_bytes()
+            tiers = " ".join(f"{k} {_mib(v)}" for k, v in mem.items())  # device host [pinned] nvme
+            # Most important first: a bar too wide for the terminal drops fields from the end.
+            fields = [f"loss {loss_value:.4f}", f"tok/s {_rate(tok_s)}", f"mem {tiers}",
+                      f"lr {engine.get_lr()[0]:.2e}"]
+            if io_per_step[-1]:
+                fields.append(f"| {dt:.1f} s, NVMe {io_per_step[-1] / 1e9:.1f} GB, "
+                              f"waited {io_wait_s[-1]:.1f} s")
+            progress.update(done, fields)
+    return loss_value, tok_s
+
+
+def _save(engine, args: argparse.Namespace, done: int) -> None:
+    """A checkpoint at step `done`, a line saying where, how big and how long, and (with
+    --keep-last) the older ones removed now that this one is complete."""
+    from offload.checkpoint.retention import checkpoint_bytes, prune
+
+    t0 = time.perf_counter()
+    path = engine.save_checkpoint(args.save_dir, client_state={"step": done, "schedule": _schedule(args)})
+    if engine.rank != 0:
+        return
+    line = f"saved {path} ({_size(checkpoint_bytes(path))} in {time.perf_counter() - t0:.1f} s)"
+    if args.keep_last:
+        removed = prune(args.save_dir, args.keep_last)
+        if removed:
+            line += f"; removed {', '.join(removed)} (--keep-last {args.keep_last})"
+    print(line, flush=True)
+
+
+def _interrupted(engine, args: argparse.Namespace, done: int, sig: str, progress) -> str:
+    """Clean up after Ctrl-C / SIGTERM and say where the run stands (rank 0's line)."""
+    from offload.checkpoint.retention import latest_tag
+
+    if progress is not None:
+        progress.close()
+    rank = engine.rank
+    try:
+        engine.close()  # swap files deleted, I/O workers stopped
+        cleaned = "engine closed, swap files removed" if args.nvme_path else "engine closed"
+    except Exception as exc:  # noqa: BLE001 - reported in the line; exiting anyway
+        cleaned = f"cleanup failed ({type(exc).__name__}: {exc})"
+    if rank != 0:
+        return ""
+    tag = latest_tag(args.save_dir) if args.save_dir else None
+    if tag is not None:
+        ckpt = (f"last complete checkpoint {os.path.join(args.save_dir, tag)}; resume with the same "
+                f"command plus --resume")
+    elif args.save_dir:
+        ckpt = "no checkpoint was completed yet (nothing to resume)"
+    else:
+        ckpt = "no checkpoints (--save-dir DIR --save-every N keeps progress)"
+    return f"interrupted ({sig}) after {done} of {args.steps} steps: {cleaned}; {ckpt}"
 
 
 def _planned(model: nn.Module, engine) -> Optional[dict]:

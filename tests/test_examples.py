@@ -327,3 +327,73 @@ def test_progress_bar_on_a_terminal_cuts_no_field(ncols):
         assert f in final or f.split()[0] + " " not in final, final
     if len(shown) < len(FIELDS):  # what did not fit came out in full above the bar
         assert "step 3/3 " + " ".join(FIELDS) in screens, screens
+
+
+# -- interruptions and checkpoint retention (issue #36) ------------------------------------------
+
+
+@pytest.mark.parametrize("sig,status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_train_gpt_interrupted_ends_with_one_line(tmp_path, sig, status):
+    """Ctrl-C (or a scheduler's SIGTERM) mid-run: one line naming the step, the cleanup and
+    the last complete checkpoint with how to resume; the signal's exit status; no traceback;
+    the swap files gone."""
+    import signal as signals
+
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    cmd = [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "100000",
+           "--param-tier", "nvme", "--optimizer-tier", "nvme", "--nvme-path", str(swap),
+           "--pinned-budget", "4MiB", "--save-dir", str(ckpt), "--save-every", "2", "--keep-last", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    saves = 0
+    for line in proc.stdout:  # off a terminal: a line per step, one per save
+        saves += line.startswith("saved ")
+        if saves == 2:
+            break
+    proc.send_signal(getattr(signals, sig))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"interrupted \({sig}\) after \d+ of 100000 steps: engine closed, swap files removed; "
+                    rf"last complete checkpoint {re.escape(str(ckpt))}/global_step\d+; resume with the same "
+                    r"command plus --resume$", last), last
+    assert not [f for _, _, fs in os.walk(swap) for f in fs], "swap files left behind"
+    tags = [t for t in os.listdir(ckpt) if t.startswith("global_step")]
+    assert len(tags) == 1, tags  # --keep-last 1
+
+
+def test_train_gpt_interrupted_with_debug_shows_the_traceback(tmp_path):
+    import signal as signals
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "OFFLOAD_DEBUG": "1"}
+    cmd = [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signals.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" in err and "KeyboardInterrupt" in err
+    assert err.strip().splitlines()[-1].endswith("no checkpoints (--save-dir DIR --save-every N keeps progress)")
+
+
+def test_keep_last_prunes_only_complete_older_checkpoints(tmp_path):
+    """`prune` keeps the newest N complete checkpoints and always the one `latest` names; a
+    save in progress (a temporary directory) is not its business."""
+    from offload.checkpoint import files
+    from offload.checkpoint.retention import prune
+
+    for i, tag in enumerate(["global_step1", "global_step2", "global_step3"]):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / files.MANIFEST).write_text("{}")
+        os.utime(tmp_path / tag / files.MANIFEST, (1000 + i, 1000 + i))
+    (tmp_path / ".tmp-global_step4-ab").mkdir()  # a save in progress
+    (tmp_path / "latest").write_text("global_step1")  # (an older one marked latest: kept)
+    assert prune(str(tmp_path), 1) == ["global_step2"]
+    assert sorted(os.listdir(tmp_path)) == [".tmp-global_step4-ab", "global_step1", "global_step3", "latest"]
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        prune(str(tmp_path), 0)
