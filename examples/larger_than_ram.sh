@@ -6,7 +6,7 @@
 #      the process's peak resident memory stays within RSS_BUDGET (examples/train_gpt.py).
 # Each under /usr/bin/time -v (its "Maximum resident set size" is the kernel's VmHWM).
 #
-#   examples/larger_than_ram.sh                     # 4b preset, 3 steps, logs in /work/bigrun
+#   examples/larger_than_ram.sh                     # 4b preset, 3 steps, logs in ./bigrun
 #   SIZE=1b STEPS=2 OUT=/tmp/run examples/larger_than_ram.sh
 #
 # Settings (environment): SIZE (train_gpt.py preset, default 4b), STEPS (3), SEQ (32),
