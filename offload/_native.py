@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 try:
-    from offload import _C  # noqa: F401
+    # Imported under the name the package uses (`C`) rather than assigned to it, so that the
+    # type checker reads `C` as the module (offload/_C.pyi): `C.AioRequest` is a type.
+    from offload import _C as C
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         "offload's native extension (offload._C) is not built or does not load: "
@@ -11,9 +13,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "`python setup.py build_ext --inplace`)."
     ) from exc
 
-C = _C
-
 
 def cpu_features() -> dict[str, bool]:
     """The SIMD instruction sets this CPU supports, as the native dispatch sees them."""
-    return dict(_C.cpu_features())
+    return dict(C.cpu_features())

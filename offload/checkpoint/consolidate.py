@@ -295,7 +295,7 @@ def _unlink_quietly(path: str) -> None:
 def pwrite_tensor(fd: int, t: torch.Tensor, offset: int) -> None:
     t = t.detach().contiguous().cpu()
     if t.numel():
-        pwrite_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()), offset)
+        pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy().data, offset)
 
 
 def pwrite_all(fd: int, data: Any, offset: int) -> None:

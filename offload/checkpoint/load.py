@@ -47,11 +47,12 @@ import io
 import os
 import random
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from offload.storage.io import probe_direct_io
+from offload.storage.state_layout import StateSpec, UnitTensors
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DEFAULT_WINDOW,
@@ -64,6 +65,7 @@ from offload.checkpoint.shards import (
 from offload.dtypes import name_of
 from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
+from offload.units.shard import FlatUnit
 
 
 def load_checkpoint(
@@ -131,7 +133,7 @@ def load_units(
 
     # Where each unit's chunks land ([Note: load destinations]).
     in_place = state_in_host_memory(sharded)
-    slots: dict[int, Any] = {}
+    slots: dict[int, UnitTensors] = {}
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
     sources: dict[int, tuple[str, dict[str, int]]] = {}
     """NVMe: units adopted in place (their state left in the checkpoint file)."""
@@ -182,8 +184,7 @@ def load_units(
             sharded.optimizer.end_overwrite(index, slots.pop(index), steps, sources.pop(index, None),
                                             frozen=dest.get("frozen"))
             return
-        dest["slot_steps"] = steps
-        sharded.optimizer.load_unit_state(index, dest)
+        sharded.optimizer.load_unit_state(index, {**dest, "slot_steps": steps})
 
     try:
         with _one_torch_thread():
@@ -196,7 +197,7 @@ def load_units(
 
 def _source_in_place(
     sharded: ShardedState, saved: dict[str, Any], old: dict[str, Any], records: list[tuple[str, dict]],
-    unit: Any, readable: dict[str, bool],
+    unit: FlatUnit, readable: dict[str, bool],
 ) -> Optional[tuple[str, dict[str, int]]]:
     """(shard file, where each of this rank's state tensors of `unit` starts in it), when
     they lie there exactly as in the swap slot (same world size and shard, fp32 master,
@@ -257,8 +258,8 @@ def state_in_host_memory(sharded: ShardedState) -> bool:
     return sharded.optimizer.store.resident
 
 
-def _check_live(unit: Any, dest: dict[str, torch.Tensor], n_master: int, n_opt: int,
-                specs: Any) -> None:
+def _check_live(unit: FlatUnit, dest: dict[str, torch.Tensor], n_master: int, n_opt: int,
+                specs: Sequence[StateSpec]) -> None:
     numel = {spec.name: spec.numel(n_opt) for spec in specs}
     for name, t in dest.items():
         want = n_master if name == "master" else numel[name]

@@ -168,6 +168,7 @@ def save_pretrained(
         nonlocal error
         if error is not None:
             return
+        assert writer is not None, "only a rank with a writer keeps the weights (keep=)"
         try:
             value = value.to(out_dtype)
             for key in keys:
@@ -236,7 +237,7 @@ class PretrainedWriter:
         """config.json (and generation_config.json) of a Hugging Face model, duck-typed: a
         `config` with `save_pretrained` or `to_json_file`. A copy is changed, not the model's."""
         config = getattr(module, "config", None)
-        if not (hasattr(config, "save_pretrained") or hasattr(config, "to_json_file")):
+        if config is None or not (hasattr(config, "save_pretrained") or hasattr(config, "to_json_file")):
             return
         config = copy.deepcopy(config)
         config.dtype = name_of(dtype)  # as transformers records the dtype it saved
@@ -250,7 +251,8 @@ class PretrainedWriter:
             config.to_json_file(os.path.join(self.staging, "config.json"))
         generation = getattr(module, "generation_config", None)
         can_generate = getattr(module, "can_generate", None)
-        if hasattr(generation, "save_pretrained") and (can_generate is None or can_generate()):
+        if generation is not None and hasattr(generation, "save_pretrained") and (
+                can_generate is None or can_generate()):
             generation.save_pretrained(self.staging)
 
     def commit(self) -> None:

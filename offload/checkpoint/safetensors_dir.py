@@ -121,7 +121,7 @@ class SafetensorsDir:
         t = _fresh(info)
         if info.nbytes == 0:
             return t
-        view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        view = t.reshape(-1).view(torch.uint8).numpy().data
         done = 0
         while done < info.nbytes:
             n = os.preadv(fd, [view[done:]], info.offset + done)

@@ -38,6 +38,7 @@ import os
 import random
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +46,7 @@ import torch
 from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointIO
+from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.view import Location, ShardedState
 from offload.units import collectives as _dist
 
@@ -218,14 +220,15 @@ class _UnitStates:
     failure with nothing of this save open is the caller's, raised as is.
     """
 
-    def __init__(self, optimizer: Any, ahead: bool) -> None:
+    def __init__(self, optimizer: ShardedOptimizer, ahead: bool) -> None:
         self.optimizer = optimizer
         self.ahead = ahead
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-read-ahead") if ahead else None
-        self._opened: dict[int, Any] = {}  # index -> entered context, not yet closed
+        self._opened: dict[int, AbstractContextManager[dict[str, Any]]] = {}
+        """index -> entered context, not yet closed."""
         self._next: Optional[tuple[int, Future]] = None
 
-    def _enter(self, index: int) -> tuple[Any, dict[str, Any]]:
+    def _enter(self, index: int) -> tuple[AbstractContextManager[dict[str, Any]], dict[str, Any]]:
         cm = self.optimizer.unit_state(index)
         return cm, cm.__enter__()
 
@@ -251,6 +254,7 @@ class _UnitStates:
         cm, state = got
         self._opened[index] = cm
         if self.ahead and following:
+            assert self._pool is not None, "reading ahead was on from the start: the pool exists"
             self._next = (following[0], self._pool.submit(self._enter, following[0]))
         return state
 

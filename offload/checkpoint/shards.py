@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from offload.config.sections import AIOConfig
 from offload.dtypes import from_name, name_of
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.io import AIOHandle
@@ -150,7 +151,7 @@ class CheckpointIO:
 
     _by_owner: "weakref.WeakKeyDictionary[Any, CheckpointIO]"
 
-    def __init__(self, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> None:
+    def __init__(self, aio: AIOConfig, delay_s: float, chunk_bytes: int, window: int) -> None:
         self.key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
         self.handle = AIOHandle(
             block_size=aio.block_size, queue_depth=aio.queue_depth, threads=aio.threads,
@@ -159,7 +160,7 @@ class CheckpointIO:
         self.ring = StagingRing(window, chunk_bytes)
 
     @classmethod
-    def of(cls, owner: Any, aio: Any, delay_s: float, chunk_bytes: int, window: int) -> "CheckpointIO":
+    def of(cls, owner: Any, aio: AIOConfig, delay_s: float, chunk_bytes: int, window: int) -> "CheckpointIO":
         key = (aio.block_size, aio.queue_depth, aio.threads, delay_s, chunk_bytes, window)
         st = cls._by_owner.get(owner)
         if st is None or st.key != key:
@@ -196,7 +197,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _crc32(buf: torch.Tensor) -> int:
     # zlib releases the GIL for buffers this size, so checksums run beside Python work.
-    return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
+    return zlib.crc32(buf.numpy().data) & 0xFFFFFFFF
 
 
 def _crc32c(buf: torch.Tensor) -> int:
@@ -253,8 +254,9 @@ class ShardWriter:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                reason = os.strerror(exc.errno) if exc.errno is not None else str(exc)
                 raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for {self.path!r}: "
-                              f"{os.strerror(exc.errno)}", self.path) from None
+                              f"{reason}", self.path) from None
         finally:
             os.close(fd)
 
@@ -405,7 +407,7 @@ def chunk_jobs(
         raise ValueError(f"range [{lo}, {hi}) outside the saved tensor of {record['numel']} elements")
     per_chunk = chunk_bytes // es
     total = record["numel"] * es
-    jobs = []
+    jobs: list[ReadJob] = []
     if hi == lo:
         return jobs
     for k in range(lo // per_chunk, (hi - 1) // per_chunk + 1):

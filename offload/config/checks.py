@@ -10,14 +10,12 @@ in sections.py, the DeepSpeed translation in deepspeed*.py; this module knows ne
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import math
 import os
 import typing
-from dataclasses import fields
-from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional, Union
+from dataclasses import Field, fields
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional, Self, Union
 
 __all__ = [
     "ConfigError",
@@ -98,13 +96,14 @@ def join_key(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _dataclass_in(hint: Any) -> Optional[type]:
-    """The dataclass a field annotation names (through Optional), if any."""
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+def _section_in(hint: Any) -> Optional[type[Section]]:
+    """The config section (a `Section` dataclass) a field annotation names (through
+    Optional), if any."""
+    if isinstance(hint, type) and issubclass(hint, Section):
         return hint
     if typing.get_origin(hint) is Union:
         for arg in typing.get_args(hint):
-            if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+            if isinstance(arg, type) and issubclass(arg, Section):
                 return arg
     return None
 
@@ -125,11 +124,11 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is Any:
         return value
     if origin is Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
-        assert len(args) == 1, f"unsupported annotation {hint!r}"
-        return coerce(key, value, args[0])
+        assert len(members) == 1, f"unsupported annotation {hint!r}"
+        return coerce(key, value, members[0])
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
@@ -177,7 +176,7 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, Mapping):
             raise type_error(key, value, "a mapping (a JSON object)")
         return dict(value)
-    sub = _dataclass_in(hint)
+    sub = _section_in(hint)
     if sub is not None:
         if isinstance(value, sub):
             return value
@@ -201,9 +200,15 @@ def require(ok: bool, key: str, value: Any, rule: str, fix: str) -> None:
         raise rule_error(key, value, rule, fix)
 
 
-@functools.lru_cache(maxsize=None)
+_HINTS: dict[type, dict[str, Any]] = {}
+"""Each section class's resolved annotations, computed once."""
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 class Section:
@@ -214,13 +219,15 @@ class Section:
     section's own `_check` (ranges, combinations).
     """
 
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+    """Set on each subclass by @dataclass (declared here so `fields(self)` type-checks)."""
     _SECTION: ClassVar[str] = ""
     _NOT_LOADED: ClassVar[frozenset[str]] = frozenset()
     """Fields that are provenance, not settings: not read by from_dict, not written by to_dict."""
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in fields(self):
             value = coerce(self._key(f.name), getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
         self._check()
@@ -233,10 +240,10 @@ class Section:
         return join_key(cls._SECTION, name)
 
     @classmethod
-    def _from_mapping(cls, data: Any, prefix: str):
+    def _from_mapping(cls, data: Any, prefix: str) -> Self:
         if not isinstance(data, Mapping):
             raise type_error(prefix or "config", data, "a mapping (a JSON object / YAML mapping)")
-        names = [f.name for f in fields(cls) if f.init and f.name not in cls._NOT_LOADED]  # type: ignore[arg-type]
+        names = [f.name for f in fields(cls) if f.init and f.name not in cls._NOT_LOADED]
         for key in data:
             if key not in names:
                 raise cls._unknown_key(prefix, key, names)
@@ -260,7 +267,7 @@ class Section:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-ready values (tuples as lists), nested by section."""
         out: dict[str, Any] = {}
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in fields(self):
             if f.name in self._NOT_LOADED:
                 continue
             out[f.name] = _plain(getattr(self, f.name))

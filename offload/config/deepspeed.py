@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 from typing import Any, Literal, Mapping, Optional
 
@@ -108,7 +109,8 @@ def _caller_stacklevel() -> int:
     """warnings.warn's stacklevel that points at the first frame outside this package (the
     user's call to initialize / load_config), however deep inside we are."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # offload/
-    frame, level = sys._getframe(1), 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
@@ -147,17 +149,18 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _logging(t)
     _activation_checkpointing(t)
     try:
-        sections = {"offload": OffloadConfig(**t.sections["offload"]),
-                    "optimizer": OptimizerConfig(**t.sections["optimizer"]),
-                    "precision": PrecisionConfig(**t.sections["precision"]),
-                    "aio": AIOConfig(**t.sections["aio"]),
-                    "prefetch": PrefetchConfig(**t.sections["prefetch"]),
-                    "logging": LoggingConfig(**t.sections["logging"]),
-                    "monitors": MonitorsConfig(**t.sections["monitors"]),
-                    "activation_checkpointing": ActivationCheckpointingConfig(
-                        **t.sections["activation_checkpointing"])}
-        config = Config(scheduler=scheduler, ignored_keys=tuple(sorted(t.ignored)),
-                        notes=tuple(t.notes), **sections, **t.sections["top"])
+        sections = t.sections
+        config = Config(offload=OffloadConfig(**sections["offload"]),
+                        optimizer=OptimizerConfig(**sections["optimizer"]),
+                        precision=PrecisionConfig(**sections["precision"]),
+                        aio=AIOConfig(**sections["aio"]),
+                        prefetch=PrefetchConfig(**sections["prefetch"]),
+                        logging=LoggingConfig(**sections["logging"]),
+                        monitors=MonitorsConfig(**sections["monitors"]),
+                        activation_checkpointing=ActivationCheckpointingConfig(
+                            **sections["activation_checkpointing"]),
+                        scheduler=scheduler, ignored_keys=tuple(sorted(t.ignored)),
+                        notes=tuple(t.notes), **sections["top"])
     except ConfigError as e:
         raise e.retarget(_ds_key_for(e.key, t.origin)) from None
     if t.ignored or t.notes:

@@ -322,10 +322,10 @@ class OffloadConfig(Section):
             raise ConfigError(self._key(key), "keeps units of an NVMe tier in RAM, but neither "
                               "param_tier nor optimizer_tier is 'nvme'",
                               f"leave {key} out (every unit is in memory already)")
-        if key == "ram_budget_bytes":
+        if self.ram_budget_bytes is not None:  # the one of the two that is set
             require(self.ram_budget_bytes >= 0, self._key(key), self.ram_budget_bytes,
                     "the budget must be a number of bytes >= 0", "e.g. 17179869184 (16 GiB)")
-        else:
+        elif self.ram_fraction is not None:
             require(0.0 <= self.ram_fraction <= 1.0, self._key(key), self.ram_fraction,
                     "the fraction must be between 0 and 1", "e.g. 0.4 keeps 40 % of the NVMe bytes in RAM")
 

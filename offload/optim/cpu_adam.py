@@ -10,7 +10,7 @@ instead of torch's op-by-op kernels; results agree with torch's to fp32 rounding
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, overload
 
 import torch
 from torch.optim import Optimizer
@@ -85,6 +85,12 @@ class CPUAdam(Optimizer):
                 p_state = self.state.get(p, {})
                 if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -162,6 +168,7 @@ class CPUAdam(Optimizer):
                 "contiguous (p.data = p.data.contiguous()) before creating the optimizer"
             )
         grad = p.grad
+        assert grad is not None, "step() skips parameters without a gradient"
         if grad.is_sparse or grad.layout != torch.strided:
             raise TypeError(
                 f"CPUAdam does not support {grad.layout} gradients (parameter of shape "

@@ -15,7 +15,7 @@ turns them into fp32 tensors when needed).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, overload
 
 import torch
 
@@ -35,6 +35,12 @@ class CPUAdam8bit(CPUAdam):
     `differentiable` raise at step(). Each parameter is quantised in blocks of 256 of its
     flattened elements, so results do not depend on how parameters are grouped.
     """
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -7,6 +7,7 @@ and the thread count. A bad argument is a Python exception that names it.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from typing import Optional, Sequence
@@ -102,11 +103,11 @@ def check_no_overlap(named: Sequence[tuple[str, torch.Tensor]]) -> None:
 def check_step(step: object) -> int:
     if isinstance(step, torch.Tensor):
         step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real) or step != int(step):
+    if isinstance(step, bool) or not isinstance(step, numbers.Real) or step != math.floor(step):
         raise ValueError(f"step={step!r} must be a whole number (the count after this update)")
     if step < 1:
         raise ValueError(f"step={step!r} must be >= 1 (the step count after this update)")
-    return int(step)
+    return int(math.floor(step))
 
 
 def check_isa_and_threads(isa: Optional[str], threads: Optional[int]) -> tuple[str, int]:

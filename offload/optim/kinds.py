@@ -10,11 +10,12 @@ checkpoints and the planner ask this module instead of assuming Adam's two momen
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
 
 import torch
 from torch import nn
 
+from offload.config.sections import OptimizerConfig
 from offload.dtypes import MOMENT_DTYPES
 from offload.optim import generic
 from offload.optim.adam8bit import BLOCK_SIZE, adam8bit_step_flat, zero_code
@@ -83,7 +84,7 @@ def state_specs(kind: str, moments: str = "fp32") -> tuple[StateSpec, ...]:
     return uniform_specs(names, MOMENT_DTYPES[moments])
 
 
-def base_group(oc: Any) -> dict[str, Any]:
+def base_group(oc: OptimizerConfig) -> dict[str, Any]:
     """The default param group of `oc` (an `OptimizerConfig`): its type's hyperparameters."""
     out = {}
     for key in HYPERPARAMS[oc.type]:
@@ -98,12 +99,18 @@ def initial_value(spec: StateSpec, group: dict[str, Any]) -> float:
     return float(group.get("initial_accumulator_value", 0.0)) if spec.name == "sum" else spec.zero
 
 
+class _Threads(TypedDict, total=False):
+    """The kernels' `threads` argument, passed only when set (a test's `adam_fn` lacks it)."""
+
+    threads: int
+
+
 def update_fn(kind: str, *, decoupled: bool, threads: int = 0,
               adam_fn: Optional[Callable[..., None]] = None, moments: str = "fp32") -> UpdateFn:
     """The update one run of `kind` calls, over its `state_specs(kind, moments)` in order.
     `threads` > 0 is passed to the kernel (config.cpu_adam_threads); `adam_fn` replaces
     Adam's kernel (tests, benchmarks)."""
-    extra = {"threads": threads} if threads > 0 and adam_fn is None else {}
+    extra: _Threads = {"threads": threads} if threads > 0 and adam_fn is None else {}
     if kind in ("Adam", "AdamW") and moments == "8bit":
 
         def adam8bit_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
@@ -202,14 +209,14 @@ def _generic_kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 def resolve_param_groups(
-    model: nn.Module, oc: Any, optimizer: Any
+    model: nn.Module, oc: OptimizerConfig, optimizer: Any
 ) -> tuple[list[dict[str, Any]], dict[int, int], str]:
     """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
     (hyperparameters per group, id(param) -> group index, the optimizer type: one of
     `KINDS`; "AdamW" means decoupled weight decay). A torch optimizer brings its own type
     (`kind_of_torch_optimizer`); otherwise `oc.type` decides. See `offload.initialize` for
     the accepted forms."""
-    kind = oc.type
+    kind: str = oc.type
     all_params = [p for p in model.parameters()]
     if oc.type in TORCH_TYPES and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = _torch_optimizer_of_config(oc, all_params, optimizer)
@@ -257,7 +264,8 @@ TORCH_TYPES: dict[str, tuple[type, tuple[str, ...]]] = {
 the config keys it takes."""
 
 
-def _torch_optimizer_of_config(oc: Any, all_params: list, optimizer: Any) -> torch.optim.Optimizer:
+def _torch_optimizer_of_config(oc: OptimizerConfig, all_params: list,
+                               optimizer: Any) -> torch.optim.Optimizer:
     """A config type of `TORCH_TYPES` as its torch optimizer: over every parameter with the
     config's hyperparameters, updated by a dict of them, or over the given param groups."""
     cls, keys = TORCH_TYPES[oc.type]

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -37,7 +38,7 @@ __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler", "SC
 
 WARMUP_TYPES = ("log", "linear")
 
-LRValue = Union[float, Sequence[float]]
+LRValue = Union[float, list[float], tuple[float, ...]]
 
 
 def _per_group(optimizer: Optimizer, value: LRValue, name: str) -> list[float]:
@@ -111,8 +112,8 @@ class _DeepSpeedSchedule(LRScheduler):
             return
         super().load_state_dict(state_dict)
 
-    def get_lr(self) -> list[float]:
-        return self._lrs_at(self.last_epoch - 1)
+    def get_lr(self) -> list[Union[float, torch.Tensor]]:  # torch's type: a value may be a tensor
+        return list(self._lrs_at(self.last_epoch - 1))
 
     def _lrs_at(self, iteration: int) -> list[float]:
         raise NotImplementedError

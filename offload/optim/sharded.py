@@ -23,17 +23,19 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from offload.config.sections import Config
 from offload.devices import side_stream
-from offload.optim.kinds import initial_value, resolve_param_groups, state_specs, update_fn
+from offload.optim.kinds import UpdateFn, initial_value, resolve_param_groups, state_specs, update_fn
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
+from offload.storage.state_store import OptimizerStates
 from offload.storage.tiers import Tier, wait
-from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, update_runs
+from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, UpdateRun, update_runs
 
 HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
 """Host optimizer-state tensors (master, moments) this large start on a page boundary
@@ -86,7 +88,7 @@ class UnitOptimizerState:
     """False until the first micro-batch of a step writes `grad` (then later ones add)."""
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
-    grad_ready: Any = None
+    grad_ready: Optional[torch.cuda.Event] = None
     """A CUDA event after which `grad` holds this step's reduction (its copy down from the
     GPU runs on a side stream: `GradReduce.wait(host_async=True)`), or None when it holds it
     already. Only the optimizer worker reads `grad` before that event."""
@@ -115,7 +117,7 @@ class UnitOptimizerState:
         )
 
 
-def transient_grad_shards(config: Any, compute_on_gpu: bool) -> bool:
+def transient_grad_shards(config: Config, compute_on_gpu: bool) -> bool:
     """Whether the engine keeps a unit's fp32 gradient shard only from its reduce-scatter to
     its update during backward, instead of for the whole run (4 bytes per parameter of host
     memory that a model larger than RAM cannot spare).
@@ -147,7 +149,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         param_tier: Tier,
         threads: int = 0,
         adam_fn: Optional[Callable[..., None]] = None,
-        store: Any = None,
+        store: Optional[OptimizerStates] = None,
         kind: Optional[str] = None,
         moments: str = "fp32",
     ) -> None:
@@ -157,7 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._groups_fixed = True
         self._warned_zero_grad = False
         self.unit_states = states
-        self.store = store if store is not None else HostOptimizerStates(states)
+        self.store: OptimizerStates = store if store is not None else HostOptimizerStates(states)
         """Where master and moments live (`offload.storage.optim_state`): host memory
         (`store.resident`) or a swap file on NVMe."""
         self.kind = kind or ("AdamW" if decoupled_weight_decay else "Adam")
@@ -179,10 +181,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Two pinned host buffers the new low-precision shard of a device-tier unit is
         written to, then uploaded from on `_upload_stream` (double-buffered: the update of
         the next unit writes the other while this one's upload runs; F9)."""
-        self._staging_done: list[Any] = [None, None]
+        self._staging_done: list[Optional[torch.cuda.Event]] = [None, None]
         """Per staging buffer, the event after its last upload (None: never uploaded)."""
         self._staging_next = 0
-        self._upload_stream: Any = None
+        self._upload_stream: Optional[torch.cuda.Stream] = None
         self._work = [
             i for i, st in enumerate(self.unit_states) if st.layout.has_optimized
         ]
@@ -190,7 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._work_set = frozenset(self._work)
         self._fill_initial_state()
 
-    def _adam(self) -> Callable[..., None]:
+    def _adam(self) -> UpdateFn:
         """The update one run calls (`offload.optim.kinds.update_fn`)."""
         return update_fn(self.kind, decoupled=self.decoupled_weight_decay,
                          threads=self.threads, adam_fn=self._adam_fn, moments=self.moments)
@@ -211,10 +213,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     for spec, value in zip(self.specs, starts[run.group]):
                         spec.part(t.moments[spec.name], run.start, run.end).fill_(value)
 
+    # Not torch's signature: no closure (engine.step() drives it), and grad_scale / skip.
     @torch.no_grad()
-    def step(
-        self, closure: Any = None, *, grad_scale: Optional[float] = 1.0, skip: Any = ()
-    ) -> None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[float] = 1.0,
+        skip: Collection[int] = (),
+    ) -> None:
         """Update every unit (but those in `skip`: already updated during backward by
         `update_unit`) through the store's pipeline."""
         if closure is not None:
@@ -243,7 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.store.checkin(index, t)
         return True
 
-    def prefetch_units(self, indices: Any) -> None:
+    def prefetch_units(self, indices: Collection[int]) -> None:
         """Start reading these units' state (NVMe) where buffers are free without waiting;
         nothing (and at no cost) when the state is in host memory."""
         if self.store.resident:
@@ -251,7 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.store.prefetch([i for i in indices if i in self._work_set], self._scratch_bytes,
                             limit=len(indices))
 
-    def _update(self, st: UnitOptimizerState, t: UnitTensors, adam: Any, grad_scale: float) -> None:
+    def _update(self, st: UnitOptimizerState, t: UnitTensors, adam: UpdateFn, grad_scale: float) -> None:
         active = [
             has and slot.group != FROZEN_GROUP
             for has, slot in zip(st.slot_has_grad, st.layout.slots)
@@ -275,7 +279,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         st.slot_steps = new_steps
         self._publish(st, t, lowp, bool(runs))
 
-    def prefetch(self, skip: Any = ()) -> None:
+    def prefetch(self, skip: Collection[int] = ()) -> None:
         """Start reading the first units' state for the coming `step` (NVMe; a no-op in
         memory). The engine calls it before the overflow check and gradient norm."""
         self.store.prefetch([i for i in self._work if i not in skip], self._scratch_bytes)
@@ -306,8 +310,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
         b = self._staging_next
         self._staging_next ^= 1
-        if self._staging_done[b] is not None:  # its upload two units ago has read it
-            done, self._staging_done[b] = self._staging_done[b], None
+        done = self._staging_done[b]
+        if done is not None:  # its upload two units ago has read it
+            self._staging_done[b] = None
             done.synchronize()
         buf = self._staging[b]
         if buf is None or buf.numel() < n or buf.dtype != unit.dtype:
@@ -330,7 +335,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unit.dtype == torch.float32:
             if shard is None or shard.data_ptr() != t.master.data_ptr():
                 self._store(t, unit, t.master)
-        elif shard is not None and shard.device.type == "cuda" and lowp.is_pinned():
+            return
+        assert lowp is not None, "a low-precision unit has a target (_lowp_target)"
+        if shard is not None and shard.device.type == "cuda" and lowp.is_pinned():
             self._upload(t, unit, lowp, shard.device)
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
             self._store(t, unit, lowp)
@@ -415,7 +422,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.store.checkout_overwrite(self._state_of(index).unit.index)
 
     def end_overwrite(
-        self, index: int, t: UnitTensors, slot_steps: Any,
+        self, index: int, t: UnitTensors, slot_steps: Sequence[int],
         adopt_from: Optional[tuple[str, dict[str, int]]] = None,
         frozen: Optional[torch.Tensor] = None,
     ) -> None:
@@ -505,7 +512,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = []
         for g in self.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params"})
-        state = {}
+        state: dict[int, dict[str, Union[torch.Tensor, list[int]]]] = {}
         copy = not self.store.resident
         for st in self.unit_states:
             with self.store.open(st.unit.index) as t:
@@ -534,9 +541,9 @@ def _is_shard(tier: Tier, st: UnitOptimizerState, t: torch.Tensor) -> bool:
     return shard is not None and shard.data_ptr() == t.data_ptr()
 
 
-def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Any) -> None:
+def _fill_outside_runs(lowp: torch.Tensor, master: torch.Tensor, runs: Sequence[UpdateRun]) -> None:
     pos = 0
-    for run in list(runs) + [None]:
+    for run in [*runs, None]:
         end = lowp.numel() if run is None else run.start
         if end > pos:
             lowp[pos:end].copy_(master[pos:end])

@@ -119,8 +119,10 @@ def _frozen_split_model(params: int, trainable: int, units: Optional[int]) -> nn
             blk = nn.Module()
             t = trainable // n + (1 if i < trainable % n else 0)
             f = (params - trainable) // n + (1 if i < (params - trainable) % n else 0)
-            blk.w = nn.Parameter(torch.empty(t)) if t else None
-            blk.frozen = nn.Parameter(torch.empty(f), requires_grad=False) if f else None
+            if t:
+                blk.w = nn.Parameter(torch.empty(t))
+            if f:
+                blk.frozen = nn.Parameter(torch.empty(f), requires_grad=False)
             blocks.append(blk)
         root = nn.Module()
         root.blocks = blocks

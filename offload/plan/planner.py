@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from offload.config import Config, load_config
+from offload.config.sections import OptimizerTier, ParamTier
 from offload.dtypes import DTYPES, MOMENT_DTYPES
 from offload.optim.kinds import MOMENT_FORMATS, state_specs
 from offload.optim.sharded import transient_grad_shards
@@ -47,7 +48,7 @@ __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS
 
 logger = logging.getLogger("offload")
 
-PLACEMENTS: tuple[tuple[str, str], ...] = (
+PLACEMENTS: tuple[tuple[ParamTier, OptimizerTier], ...] = (
     ("device", "cpu"),
     ("cpu", "cpu"),
     ("nvme", "cpu"),
@@ -88,8 +89,8 @@ _REASONS = {
 
 @dataclass(frozen=True)
 class PlacementEstimate:
-    param_tier: str
-    optimizer_tier: str
+    param_tier: ParamTier
+    optimizer_tier: OptimizerTier
     per_rank: TierBytes
     """The largest rank's bytes per tier between steps (ranks differ only by padding)."""
     per_node: TierBytes
@@ -137,7 +138,7 @@ class Plan:
     def config_snippet(self) -> dict[str, Any]:
         if self.recommended is None:
             return {}
-        out = {"param_tier": self.recommended.param_tier,
+        out: dict[str, Union[str, int]] = {"param_tier": self.recommended.param_tier,
                "optimizer_tier": self.recommended.optimizer_tier}
         if self.ram_budget_bytes:
             out["ram_budget_bytes"] = self.ram_budget_bytes
@@ -240,7 +241,7 @@ def plan(
     dtype: Optional[str] = None,
     moments: Optional[str] = None,
     units: Optional[int] = None,
-    placements: Sequence[tuple[str, str]] = PLACEMENTS,
+    placements: Sequence[tuple[ParamTier, OptimizerTier]] = PLACEMENTS,
 ) -> Plan:
     """Bytes per tier for each placement of `model_or_params` on `machine`, and the fastest
     placement that fits.
@@ -351,7 +352,7 @@ def _ram_split(spec: Any, best: PlacementEstimate, m: Machine,
 
 def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimizer: Any,
                      dtype: str, moments: str, units: Optional[int],
-                     placements: Sequence[tuple[str, str]],
+                     placements: Sequence[tuple[ParamTier, OptimizerTier]],
                      estimates: list[PlacementEstimate]) -> tuple[str, ...]:
     """What would fit when nothing does, cheapest change first, each with its figures:
     bf16 Adam moments (4 B/param less), else 8-bit ones, then NVMe when none was given."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from offload.config import load_config
 from offload.plan.machine import Machine, format_size
@@ -33,7 +33,7 @@ from offload.plan.planner import PLACEMENTS, Plan, plan
 
 __all__ = ["StageChoice", "compare_stages", "STAGES"]
 
-STAGES = (3, 2, 1)
+STAGES: tuple[Literal[1, 2, 3], ...] = (3, 2, 1)
 """The stages compared, in the order they are shown."""
 
 
@@ -91,7 +91,7 @@ def compare_stages(model_or_params: Any, *, machine: Optional[Machine] = None, c
     """`plan` at every stage of `STAGES` (keyword arguments as `plan`'s), and the stage to run
     (see the module docstring)."""
     cfg = load_config(config)
-    plans = {}
+    plans: dict[int, Plan] = {}
     for stage in STAGES:
         placements = PLACEMENTS if stage == 3 else tuple(p for p in PLACEMENTS if p[0] != "nvme")
         plans[stage] = plan(model_or_params, machine=machine, config=replace(cfg, zero_stage=stage),
@@ -119,6 +119,8 @@ def compare_stages(model_or_params: Any, *, machine: Optional[Machine] = None, c
             why += (f"; stage 3 would need {format_size(_device(three))} per rank, and moves "
                     "the same disk bytes")
         return StageChoice(plans, stage, why)
+    # Stage 2 or 1 fitting returned above unless stage 3 fits too (and moves fewer disk bytes).
+    assert three is not None, fits
     reason = "stage 3 is the only stage that fits"
     if 2 in fits:
         reason = (f"stage 2 fits only with more disk traffic ({format_size(fits[2].disk_bytes_per_step)} "

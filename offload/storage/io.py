@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Protocol, Union
 
 import torch
 
@@ -37,6 +37,7 @@ from offload.storage.pinned import pinned_empty
 
 __all__ = [
     "AIOHandle",
+    "Completion",
     "IORequest",
     "BufferPool",
     "ShortReadError",
@@ -268,6 +269,17 @@ class BufferPool:
 # Requests and the handle
 
 
+class Completion(Protocol):
+    """Something to wait on: an `IORequest`, a `Pending` of several (offload/storage/nvme.py),
+    what a tier's `fetch` / `store` returns (offload/storage/tiers.py `Handle`)."""
+
+    def done(self) -> bool:
+        """Whether it has finished, successfully or not (never blocks)."""
+
+    def wait(self) -> object:
+        """Block until it has finished; raise its failure."""
+
+
 class IORequest:
     """A read or write in flight. ``wait()`` blocks without the GIL and raises its error.
 
@@ -279,9 +291,11 @@ class IORequest:
 
     __slots__ = ("_native", "_buffer", "op", "_name")
 
-    def __init__(self, native, buffer: torch.Tensor, op: str, name: Optional[str] = None) -> None:
+    def __init__(self, native: C.AioRequest, buffer: torch.Tensor, op: str,
+                 name: Optional[str] = None) -> None:
         self._native = native
-        self._buffer = buffer
+        self._buffer: Optional[torch.Tensor] = buffer
+        """Kept alive until the request is done (then None)."""
         self.op = op
         """'pread' or 'pwrite'."""
         self._name = name

@@ -63,11 +63,11 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from offload.storage.io import AIOHandle, BufferPool
+from offload.storage.io import AIOHandle, BufferPool, Completion
 from offload.storage.swap import SwapDirectory
 
 __all__ = ["Pending", "Staging", "Lease", "LeaseState", "NVMeContext", "IOStats", "HeldFiles"]
@@ -88,9 +88,9 @@ class Pending:
 
     def __init__(
         self,
-        parts: Iterable[Any],
+        parts: Iterable[Optional[Completion]],
         *,
-        then: Optional[Callable[[], None]] = None,
+        then: Optional[Callable[[], object]] = None,
         release: Optional[Callable[[], None]] = None,
         on_error: Optional[Callable[[BaseException], None]] = None,
         stats: Optional["IOStats"] = None,
@@ -174,13 +174,13 @@ class Lease:
         """The bytes (uint8, 4 KiB-aligned) while `HELD`; None after."""
         self.state = LeaseState.HELD
         self._staging = staging
-        self._pending: Optional[Any] = None
+        self._pending: Optional[Completion] = None
 
     @property
     def held(self) -> bool:
         return self.state is LeaseState.HELD
 
-    def attach(self, pending: Any) -> None:
+    def attach(self, pending: Completion) -> None:
         """The read submitted into the buffer: revoking or releasing waits for it first (the
         buffer is its target until it lands)."""
         self._pending = pending
@@ -209,6 +209,7 @@ class Lease:
 
     def _give_back(self, state: LeaseState) -> None:
         buf, pending = self.buffer, self._pending
+        assert buf is not None, "a lease gives back only while HELD, when it has its buffer"
         self._forget(state)
         if pending is not None:
             wait_quietly([pending])
@@ -280,6 +281,7 @@ class Staging:
         if not self._leases:
             return False
         lease = self._leases[next(reversed(self._leases))]
+        assert lease.buffer is not None, "a lease in the pool's list is HELD: it has its buffer"
         self.stats.bytes_dropped += lease.buffer.numel()
         lease.revoke()
         return True
@@ -443,7 +445,7 @@ def settle_writes(last_write: list[Optional[Pending]]) -> None:
             wait_quietly([h])
 
 
-def wait_quietly(handles: Sequence[Any]) -> None:
+def wait_quietly(handles: Sequence[Completion]) -> None:
     """Wait for every handle, ignoring failures (used when unwinding after an error)."""
     for h in handles:
         try:

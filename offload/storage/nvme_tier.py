@@ -49,7 +49,6 @@ class NVMeTier(Tier):
         shards: Sequence[tuple[Hashable, int, torch.dtype]],
         name: str = "param",
     ) -> None:
-        super().__init__()
         self._ctx = context
         self._index: dict[Hashable, int] = {}
         self._spec: list[tuple[int, torch.dtype]] = []
@@ -78,10 +77,7 @@ class NVMeTier(Tier):
     def path(self) -> str:
         return self._swap.path
 
-    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:  # pragma: no cover
-        raise TypeError("the NVMe tier holds no tensors")
-
-    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype) -> None:  # type: ignore[override]
+    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype) -> None:
         i = self._slot(key)
         if self._spec[i] != (numel, dtype):
             raise ValueError(
@@ -148,6 +144,7 @@ class NVMeTier(Tier):
             lease = staging.lease(slot.nbytes)
             if lease is None:
                 return None
+            assert lease.buffer is not None, "a new lease is HELD: it has its buffer"
             buf = lease.buffer
         try:
             req = self._swap.read(ctx.aio, buf, slot.offset)
@@ -258,6 +255,7 @@ class NVMeTier(Tier):
         if lease is None:
             return
         buf = lease.buffer
+        assert buf is not None, "a new lease is HELD: it has its buffer"
         local = self._local(i, buf)
         local.copy_(src.reshape(-1))
         self._lent[key] = lease

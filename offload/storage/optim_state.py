@@ -11,7 +11,8 @@ optimized parameter has none (empty tensors, no I/O). Two stores keep it:
   `state_layout` so that one sequential read and one write move the whole state; the step
   streams units through pooled staging buffers (see [Note: optimizer pipeline]).
 
-Both offer the same methods, so nothing above asks which store it holds (`resident` says
+Both offer the same methods, the `OptimizerStates` interface (offload/storage/state_store.py),
+so nothing above asks which store it holds (`resident` says
 whether the tensors live in host memory, for callers that may then use them in place):
 - `open(index, write=False)`: a context yielding the unit's tensors (for checkpoints,
   consolidation, loading); with `write=True` what the caller changed is written back on exit.
@@ -60,14 +61,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Generator, Iterator, Optional, Sequence
 
 import torch
 
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.state_layout import (ADAM_STATE, StateLayout, StateSpec, UnitTensors, state_layout,
                                           uniform_specs)
-from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
+from offload.storage.io import Completion, IORequest
+from offload.storage.nvme import Lease, NVMeContext, Pending, Staging, settle_writes, wait_quietly
+from offload.storage.state_store import OptimizerStates, UnitState
 
 __all__ = ["ADAM_STATE", "HostOptimizerStates", "NVMeOptimizerStates", "StateLayout", "StateSource",
            "UnitTensors", "state_layout"]
@@ -82,33 +85,39 @@ class StateSource:
     parts: tuple[tuple[int, int, int], ...]
 
 
-class HostOptimizerStates:
+class HostOptimizerStates(OptimizerStates):
     """Optimizer state in host memory: the tensors of each `UnitOptimizerState`."""
 
     resident = True
     """The state's tensors live in host memory: `open` hands out the live tensors."""
 
-    def __init__(self, states: Sequence[Any], staging: Any = None) -> None:
+    def __init__(self, states: Sequence[UnitState], staging: Optional[Staging] = None) -> None:
         self._states = states
         self._staging = staging
         """The NVMe staging pool when the parameter tier is on NVMe (scratch comes from it)."""
+
+    def _tensors(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        st = self._states[index]
+        # Units whose state is on NVMe hold no host tensors; a split store sends them to the
+        # NVMe store, so a host store is only ever asked for units it holds.
+        assert st.master is not None and st.moments is not None, f"unit {index}: state not in host memory"
+        return st.master, st.moments
 
     def resident_at(self, index: int) -> bool:
         """Whether unit `index`'s state lives in host memory: always, here."""
         return True
 
     def initialize(self, index: int, master: torch.Tensor) -> None:
-        st = self._states[index]
-        if st.master is not master:
-            st.master.copy_(master)
+        own, _ = self._tensors(index)
+        if own is not master:
+            own.copy_(master)
 
-    def initialized(self, index: int, unit_state: Any) -> None:
+    def initialized(self, index: int, unit_state: UnitState) -> None:
         """Unit `index`'s master is complete: nothing to do, it already is the state."""
 
     @contextlib.contextmanager
     def open(self, index: int, write: bool = False, overwrite: bool = False) -> Iterator[UnitTensors]:
-        st = self._states[index]
-        yield UnitTensors(st.master, st.moments)
+        yield UnitTensors(*self._tensors(index))
 
     def stream(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
@@ -125,18 +134,19 @@ class HostOptimizerStates:
     def checkout(self, index: int, scratch_bytes: int) -> UnitTensors:
         """Unit `index`'s tensors for one update (the optimizer-in-backward path), with
         `scratch_bytes` of pooled scratch; give them back with `checkin` (or `abandon`)."""
-        st = self._states[index]
+        master, moments = self._tensors(index)
         buf = None
         if scratch_bytes:
             if self._staging is None:
                 raise RuntimeError("scratch bytes asked of a host store without a staging pool")
             buf = self._staging.acquire(scratch_bytes)
-        return UnitTensors(st.master, st.moments, scratch=buf,
+        return UnitTensors(master, moments, scratch=buf,
                            _buffers=() if buf is None else (buf,))
 
     def checkin(self, index: int, t: UnitTensors) -> None:
         if t._buffers:
             staging, buf = self._staging, t._buffers[0]
+            assert staging is not None, "pooled scratch comes from the staging pool (checkout)"
             staging.track(Pending(t.holds, release=lambda: staging.release(buf)))
         else:
             for h in t.holds:
@@ -145,14 +155,21 @@ class HostOptimizerStates:
     def abandon(self, index: int, t: UnitTensors) -> None:
         wait_quietly(t.holds)
         if t._buffers:
+            assert self._staging is not None, "pooled scratch comes from the staging pool (checkout)"
             self._staging.release(t._buffers[0])
+
+    def checkout_overwrite(self, index: int) -> UnitTensors:
+        raise ValueError(f"unit {index}'s optimizer state is in host memory: fill it in place")
+
+    def adopt(self, index: int, t: UnitTensors, path: str, file_offsets: dict[str, int]) -> None:
+        raise ValueError(f"unit {index}'s optimizer state is in host memory: nothing to adopt")
 
     def prefetch(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int], limit: int = 2
     ) -> None:
         """Nothing to read ahead: the state is in memory."""
 
-    def cancel_prefetch(self) -> None:
+    def cancel_prefetch(self, index: Optional[int] = None) -> None:
         pass
 
     def settle(self) -> None:
@@ -179,7 +196,7 @@ class _SourceRead:
 
     __slots__ = ("req", "index", "path")
 
-    def __init__(self, req: Any, index: int, path: str) -> None:
+    def __init__(self, req: IORequest, index: int, path: str) -> None:
         self.req, self.index, self.path = req, index, path
 
     def done(self) -> bool:
@@ -200,7 +217,7 @@ class _SourceRead:
             ) from exc
 
 
-class NVMeOptimizerStates:
+class NVMeOptimizerStates(OptimizerStates):
     """Optimizer state in the rank's `optim` swap file, one slot per unit (`state_layout`).
 
     Nothing of it stays in host memory between uses: `open` and `stream` read a unit into a
@@ -265,9 +282,10 @@ class NVMeOptimizerStates:
             raise
         self._write(index, buf, [])
 
-    def initialized(self, index: int, unit_state: Any) -> None:
+    def initialized(self, index: int, unit_state: UnitState) -> None:
         """Unit `index`'s master is complete (`offload.initialize`): write its first state
         (`initialize`) and drop the host master, which the swap slot now holds."""
+        assert unit_state.master is not None, f"unit {index}: no host master to write"
         self.initialize(index, unit_state.master)
         unit_state.master = None
 
@@ -397,6 +415,7 @@ class NVMeOptimizerStates:
             lease = staging.lease(self.layouts[i].nbytes + align_up(scratch_bytes(i)))
             if lease is None:
                 return
+            assert lease.buffer is not None, "a new lease is HELD: it has its buffer"
             try:
                 handle = self._read(i, lease.buffer)
             except BaseException:
@@ -425,7 +444,7 @@ class NVMeOptimizerStates:
 
     def stream(
         self, indices: Sequence[int], scratch_bytes: Callable[[int], int]
-    ) -> Iterator[tuple[int, UnitTensors]]:
+    ) -> Generator[tuple[int, UnitTensors], None, None]:
         staging = self._ctx.staging
         order = list(indices)
         ahead, self._prefetched = self._prefetched, {}
@@ -523,7 +542,7 @@ class NVMeOptimizerStates:
         if source is not None:
             self._ctx.files.release(source.path)
 
-    def _write(self, index: int, buf: torch.Tensor, holds: Sequence[Any]) -> None:
+    def _write(self, index: int, buf: torch.Tensor, holds: Sequence[Completion]) -> None:
         """Write the state from `buf` (and let `holds` finish); the buffer goes back to the
         pool when all are done. Tracked, not waited: see [Note: optimizer pipeline]."""
         ctx = self._ctx

@@ -26,7 +26,7 @@ make the same choice from the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Optional, Protocol, Sequence
 
 from offload.sizes import align_up
 from offload.storage.state_layout import StateSpec, state_layout
@@ -87,7 +87,19 @@ class Placement:
         return f"parameters: {part(self.param_on_nvme)}; optimizer state: {part(self.state_on_nvme)}"
 
 
-def unit_bytes(layouts: Sequence[Any], param_itemsize: int, specs: Sequence[StateSpec],
+class ShardSizes(Protocol):
+    """What `unit_bytes` reads of a unit's layout (offload/units/layout.py `UnitLayout`,
+    a layer above): its shard's elements, and per rank the master's and the optimized ones."""
+
+    @property
+    def shard_numel(self) -> int: ...
+
+    def shard_master_numel(self, rank: int) -> int: ...
+
+    def shard_optimized_numel(self, rank: int) -> int: ...
+
+
+def unit_bytes(layouts: Sequence[ShardSizes], param_itemsize: int, specs: Sequence[StateSpec],
                world_size: int) -> tuple[list[int], list[int]]:
     """Per unit (`UnitLayout`s): the bytes its parameter shard and its optimizer state take
     on NVMe (swap-slot sizes: page-rounded), the largest rank's, so that every rank (and the
@@ -134,7 +146,8 @@ def choose_placement(
 def _ranges(indices: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     out, start, prev = [], indices[0], indices[0]
-    for i in indices[1:] + [None]:  # type: ignore[list-item]
+    rest: list[Optional[int]] = [*indices[1:], None]
+    for i in rest:
         if i is not None and i == prev + 1:
             prev = i
             continue

@@ -11,16 +11,18 @@ handed out in place.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, UnitTensors
+from offload.storage.state_layout import StateLayout, StateSpec
+from offload.storage.state_store import OptimizerStates, UnitState
 
 __all__ = ["SplitOptimizerStates"]
 
 
-class SplitOptimizerStates:
+class SplitOptimizerStates(OptimizerStates):
     """Units with `on_nvme[i]` in `nvme` (its slot for any other unit is empty), the rest in
     `host` (whose `UnitOptimizerState` of an NVMe unit holds no tensors)."""
 
@@ -33,7 +35,7 @@ class SplitOptimizerStates:
         self.nvme = nvme
         self.on_nvme = tuple(bool(v) for v in on_nvme)
 
-    def _of(self, index: int) -> Any:
+    def _of(self, index: int) -> OptimizerStates:
         return self.nvme if self.on_nvme[index] else self.host
 
     def resident_at(self, index: int) -> bool:
@@ -41,11 +43,11 @@ class SplitOptimizerStates:
 
     # what the checkpoint loader asks of the NVMe store (its slots; host units have none)
     @property
-    def layouts(self) -> list[Any]:
+    def layouts(self) -> list[StateLayout]:
         return self.nvme.layouts
 
     @property
-    def specs(self) -> tuple[Any, ...]:
+    def specs(self) -> tuple[StateSpec, ...]:
         return self.nvme.specs
 
     @property
@@ -57,7 +59,7 @@ class SplitOptimizerStates:
     def initialize(self, index: int, master: torch.Tensor) -> None:
         self._of(index).initialize(index, master)
 
-    def initialized(self, index: int, unit_state: Any) -> None:
+    def initialized(self, index: int, unit_state: UnitState) -> None:
         self._of(index).initialized(index, unit_state)
 
     @contextlib.contextmanager

@@ -10,7 +10,7 @@ sees a plain host tier or a plain NVMe tier.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Iterable, Iterator, Optional
+from typing import Hashable, Iterable, Iterator, Optional
 
 import torch
 
@@ -19,24 +19,24 @@ from offload.storage.tiers import Fetch, Handle, Tier
 __all__ = ["SplitTier"]
 
 
-class SplitTier:
+class SplitTier(Tier):
     """Shards of some keys in `host`, the others in `nvme` (the keys `nvme` was made with)."""
 
     kind = "split"
     addressable = False
     """Not every shard is addressable: ask `tier_of(key).addressable`."""
 
-    def __init__(self, host: Tier, nvme: Any, nvme_keys: Iterable[Hashable]) -> None:
+    def __init__(self, host: Tier, nvme: Tier, nvme_keys: Iterable[Hashable]) -> None:
         self.host = host
         self.nvme = nvme
         self._nvme_keys = frozenset(nvme_keys)
-        self.parts = (host, nvme)
+        self.parts: tuple[Tier, Tier] = (host, nvme)
 
     @property
     def device(self) -> torch.device:
         return self.host.device
 
-    def tier_of(self, key: Hashable) -> Any:
+    def tier_of(self, key: Hashable) -> Tier:
         return self.nvme if key in self._nvme_keys else self.host
 
     # -- one shard: its tier's ----------------------------------------------------------------

@@ -6,11 +6,14 @@ tensors a caller of the stores in offload/storage/optim_state.py sees)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from offload.sizes import align_up
+
+if TYPE_CHECKING:  # the layout arithmetic runs without the native I/O engine
+    from offload.storage.io import Completion
 
 __all__ = ["ADAM_STATE", "StateLayout", "StateSpec", "UnitTensors", "param_align", "state_layout",
            "uniform_specs"]
@@ -116,7 +119,7 @@ class UnitTensors:
     moments: dict[str, torch.Tensor]
     """The optimizer's state tensors by name (offload/optim/kinds.py `STATE_NAMES`)."""
     scratch: Optional[torch.Tensor] = None
-    holds: list[Any] = field(default_factory=list)
+    holds: list[Completion] = field(default_factory=list)
     """Handles of writes that read from this unit's buffers: they complete before the
     buffers are reused (`hold`)."""
     _buffers: tuple[torch.Tensor, ...] = ()
@@ -133,7 +136,7 @@ class UnitTensors:
     def exp_avg_sq(self) -> torch.Tensor:
         return self.moments["exp_avg_sq"]
 
-    def hold(self, handle: Any) -> None:
+    def hold(self, handle: Optional[Completion]) -> None:
         if handle is not None:
             self.holds.append(handle)
 

@@ -28,11 +28,16 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 # One alignment rule for the whole project: offload.sizes' (O_DIRECT's 4 KiB).
 from offload.sizes import ALIGNMENT as PAGE_BYTES
 from offload.sizes import align_up, format_bytes
+
+if TYPE_CHECKING:  # annotations only: this module runs without the native I/O engine
+    import torch
+
+    from offload.storage.io import AIOHandle, IORequest
 
 logger = logging.getLogger(__name__)
 
@@ -165,12 +170,19 @@ def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     except OSError as exc:
         raise type(exc)(
             exc.errno,
-            f"{key} {path!r} is not writable ({errno.errorcode.get(exc.errno, exc.errno)}: "
+            f"{key} {path!r} is not writable ({_errno_name(exc)}: "
             f"{exc.strerror}); point {key} at a directory on a local disk you can write",
             path,
         ) from exc
     os.close(fd)
     os.unlink(probe)
+
+
+def _errno_name(exc: OSError) -> str:
+    """'EACCES' for `exc.errno`, or the number itself when it has no name."""
+    if exc.errno is None:
+        return "None"
+    return errno.errorcode.get(exc.errno, str(exc.errno))
 
 
 def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
@@ -183,7 +195,7 @@ def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
         except OSError as exc:
             raise type(exc)(
                 exc.errno,
-                f"{key} {path!r} cannot be created ({errno.errorcode.get(exc.errno, exc.errno)}: "
+                f"{key} {path!r} cannot be created ({_errno_name(exc)}: "
                 f"{exc.strerror}); point {key} at a directory on a local disk you can write",
                 path,
             ) from exc
@@ -196,6 +208,10 @@ class SwapDirectory:
     Open it, create the tier files, `close()` at a clean exit (deletes the files). See
     [Note: stale swap files] above for what happens to files a crashed run left.
     """
+
+    closed: bool = True
+    """Whether the directory is released (or was never claimed: an `__init__` that failed
+    leaves nothing for `__del__` to close)."""
 
     def __init__(self, nvme_path: str, rank: int) -> None:
         check_swap_dir(nvme_path)
@@ -335,10 +351,10 @@ class SwapDirectory:
         except OSError:
             pass
         if failed:
-            path, exc = failed[0]
+            path, first = failed[0]
             raise OSError(
-                exc.errno,
-                f"could not delete {', '.join(p for p, _ in failed)} ({exc.strerror}); the lock "
+                first.errno,
+                f"could not delete {', '.join(p for p, _ in failed)} ({first.strerror}); the lock "
                 "is released and the next run on this nvme_path deletes them, or delete them "
                 "by hand",
                 path,
@@ -351,7 +367,7 @@ class SwapDirectory:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "closed", True):
+        if not self.closed:
             self.close()
 
 
@@ -367,14 +383,14 @@ class SwapDirectory:
 # deletes what it left ([Note: stale swap files]).
 _OPEN_DIRS: "weakref.WeakSet[SwapDirectory]" = weakref.WeakSet()
 _CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-_installed: dict[int, object] = {}
+_installed: dict[int, signal.Handlers] = {}
 
 
 def _cleanup_and_die(signum: int, frame: object) -> None:
     for d in list(_OPEN_DIRS):
         d.discard()
     for sig, previous in _installed.items():
-        signal.signal(sig, previous)  # type: ignore[arg-type]
+        signal.signal(sig, previous)
     _installed.clear()
     os.kill(os.getpid(), signum)
 
@@ -438,11 +454,11 @@ class SwapFile:
 
     # -- I/O through the held descriptor -------------------------------------------------
 
-    def read(self, aio: Any, buf: Any, offset: int) -> Any:
+    def read(self, aio: AIOHandle, buf: torch.Tensor, offset: int) -> IORequest:
         """Submit a read of `buf.nbytes` bytes at `offset` (an `IORequest`)."""
         return aio.pread(buf, self._opened(), offset, name=self.path)
 
-    def write(self, aio: Any, buf: Any, offset: int) -> Any:
+    def write(self, aio: AIOHandle, buf: torch.Tensor, offset: int) -> IORequest:
         """Submit a write of `buf` at `offset` (an `IORequest`)."""
         return aio.pwrite(buf, self._opened(), offset, name=self.path)
 

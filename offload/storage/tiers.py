@@ -29,25 +29,31 @@ leases] in offload/storage/nvme.py): the holder asks `ReadAhead.live()` before u
 so nothing stale is handed out, without telling anyone above.
 
 Keys are small hashables chosen by the caller (the engine uses `(unit_index, "param")`).
-`NVMeTier` (offload/storage/nvme_tier.py) implements the same methods over `offload.storage.io`'s AIOHandle and the pinned staging
+`Tier` is that interface, a `Protocol`; `MemoryTier` the base of the two tiers here, whose
+shards are tensors (`DeviceTier`, `HostTier`). `NVMeTier` (offload/storage/nvme_tier.py)
+implements the same methods over `offload.storage.io`'s AIOHandle and the pinned staging
 pool (`offload.storage.nvme.Staging`); its `fetch`/`store` are asynchronous and return a handle, which
 is why callers treat every return value as "something to wait on" (`wait(handle)`).
+`SplitTier` (offload/storage/split_tier.py) answers it over a host part and an NVMe part.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Hashable, Iterable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Hashable, Iterable, Iterator, Optional, Protocol, Union
 
 import torch
 
 from offload.devices import same_device
 from offload.storage.pinned import pinned_empty
 
+if TYPE_CHECKING:  # the in-memory tiers run without the native I/O engine
+    from offload.storage.io import Completion
 
-Handle = Optional[Any]
+
+Handle = Optional["Completion"]
 """What `fetch`/`store` return: None when the copy is complete on return (in stream order
-for CUDA copies), or an object with `.wait()` (the NVMe tier's I/O completions)."""
+for CUDA copies), or a `Completion` to `.wait()` on (the NVMe tier's I/O)."""
 
 
 def wait(handle: Handle) -> None:
@@ -73,24 +79,91 @@ class Fetch(Protocol):
     def claim(self) -> bool:
         """Take the buffer over (no longer revocable); False when it was taken back."""
 
-    def wait(self) -> torch.Tensor:
-        """Wait for the bytes; the shard in host memory."""
+    def wait(self) -> Optional[torch.Tensor]:
+        """Wait for the bytes; the shard in host memory (a tier's `ReadAhead` always returns
+        it), or None when the fetch put it in place itself (the runtime's own fetches into a
+        unit's full buffer, offload/runtime/prefetch.py)."""
 
     def release(self) -> None:
         """Give the buffer back (idempotent)."""
 
 
-class Tier(abc.ABC):
-    """A place shards live. Not thread-safe: the engine calls it from one thread."""
+class Tier(Protocol):
+    """A place shards live (the module docstring has the contract). Not thread-safe: the
+    engine calls it from one thread. Implemented by `DeviceTier`, `HostTier` (through
+    `MemoryTier`), `NVMeTier` and `SplitTier`."""
 
     kind: str
-    """'device', 'host' or 'nvme': the accounting bucket this tier's bytes count in, and its
-    name in messages. Callers never branch on it: they ask `addressable`, `device`,
-    `fetch_ahead` (or `memory_tensors` / `bytes_on_disk` for accounting)."""
+    """'device', 'host', 'nvme' (or 'split'): the accounting bucket this tier's bytes count
+    in, and its name in messages. Callers never branch on it: they ask `addressable`,
+    `device`, `fetch_ahead` (or `memory_tensors` / `bytes_on_disk` for accounting)."""
 
-    addressable: bool = True
+    addressable: bool
     """`view(key)` returns the shard itself, a tensor on `device` (else None: the bytes are
     reached only through `fetch` / `fetch_ahead`, and written only through `store`)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where `view()` tensors live (host memory for the NVMe tier's staging)."""
+
+    def allocate(self, key: Hashable, numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Reserve a zero-filled shard; the tensor when the tier holds one (else None)."""
+
+    def adopt(self, key: Hashable, tensor: torch.Tensor) -> None:
+        """Hold an existing tensor as the shard, without a copy (in-memory tiers only)."""
+
+    def view(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The shard itself when the tier is `addressable`, else None."""
+
+    def fetch(self, key: Hashable, out: torch.Tensor) -> Handle:
+        """Copy the shard into `out` (any device)."""
+
+    def store(self, key: Hashable, src: torch.Tensor) -> Handle:
+        """Copy `src` into the shard."""
+
+    def store_prefix(self, key: Hashable, src: torch.Tensor) -> Handle:
+        """Copy `src` into the shard's first `src.numel()` elements; the rest keeps its bytes."""
+
+    def free(self, key: Hashable) -> None:
+        """Release the shard."""
+
+    def fetch_ahead(self, key: Hashable, block: bool = False) -> Optional[Fetch]:
+        """Start bringing the shard into a pooled host buffer, or None (nothing to fetch, or
+        with `block=False` no buffer free now)."""
+
+    def take_held(self, key: Hashable) -> Optional[Fetch]:
+        """The copy kept at the shard's last store, as a completed fetch, or None."""
+
+    def keep_after_store(self, keys: Iterable[Hashable]) -> None:
+        """Keep, best effort, a pooled copy of these shards at their next `store`."""
+
+    def release_held(self, key: Optional[Hashable] = None) -> None:
+        """Give back the copies kept and not yet taken (all, or `key`'s)."""
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each shard held in memory, with its accounting bucket ('device' or 'host')."""
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of the tier's swap file (0 for an in-memory tier)."""
+
+    def bytes_allocated(self) -> int:
+        """Bytes the tier holds right now."""
+
+    def settle(self) -> None:
+        """After a failed step: wait for every write in flight, dropping their failures."""
+
+    def write_failure(self) -> Optional[BaseException]:
+        """The error of a write that failed and lost a shard, or None."""
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether shard `key` is allocated (NVMe: reserved) here."""
+
+
+class MemoryTier(Tier, abc.ABC):
+    """A tier whose shards are tensors in memory (`DeviceTier`, `HostTier`): addressable,
+    copies synchronous in stream order, nothing to fetch ahead."""
+
+    addressable: bool = True
 
     def __init__(self) -> None:
         self._shards: dict[Hashable, torch.Tensor] = {}
@@ -211,7 +284,7 @@ class Tier(abc.ABC):
         return key in self._shards
 
 
-class DeviceTier(Tier):
+class DeviceTier(MemoryTier):
     """Shards resident on the compute device (GPU memory, or plain memory on a CPU run)."""
 
     kind = "device"
@@ -228,7 +301,7 @@ class DeviceTier(Tier):
         return torch.zeros(numel, dtype=dtype, device=self._device)
 
 
-class HostTier(Tier):
+class HostTier(MemoryTier):
     """Shards in CPU memory: page-locked when a GPU copies from it (so host-to-device copies
     are true DMA and can be asynchronous), plain memory when compute is on the CPU (pinning
     would only cost lock-down time there)."""
@@ -257,7 +330,8 @@ def _check_same_size(key: Hashable, shard: torch.Tensor, buf: torch.Tensor) -> N
         )
 
 
-def check_prefix(key: Hashable, shard: Any, buf: torch.Tensor) -> None:
+def check_prefix(key: Hashable, shard: Union[torch.Tensor, tuple[int, torch.dtype]],
+                 buf: torch.Tensor) -> None:
     """`buf` fits as a prefix of the shard (`shard`: its tensor, or (numel, dtype))."""
     numel, dtype = (shard.numel(), shard.dtype) if isinstance(shard, torch.Tensor) else shard
     if buf.numel() > numel or buf.dtype != dtype:

@@ -38,12 +38,13 @@ def point_storage(t: torch.Tensor, buf: torch.Tensor) -> None:
     caller keeps alive; `t` must be empty (0 bytes) and `buf` at least as large."""
     storage = torch._C._construct_storage_from_data_pointer(
         buf.data_ptr(), buf.device, t.numel() * t.element_size())
-    t.untyped_storage()._swap_data_ptr_(storage)
+    # A private torch method, not in its stubs (CAN_POINT says this torch has it).
+    t.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
 
 
 def unpoint_storage(t: torch.Tensor) -> None:
     """Point `t`'s storage away again: empty and resizable, as a freed one."""
-    t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))
+    t.untyped_storage()._swap_data_ptr_(torch.UntypedStorage(0))  # type: ignore[attr-defined]
 
 
 class FullBuffers:

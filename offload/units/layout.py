@@ -176,7 +176,7 @@ def layout_unit(
         range(len(params)),
         key=lambda i: (params[i][2] == FROZEN_GROUP, params[i][2], i),
     )
-    slots = []
+    slots: list[ParamSlot] = []
     offset = 0
     for i in order:
         name, shape, group = params[i]

@@ -24,6 +24,7 @@ type: `DTensor`.)
 from __future__ import annotations
 
 import sys
+import types
 from typing import Optional
 
 import torch
@@ -31,7 +32,8 @@ from torch import nn
 
 __all__ = ["UnitParameter"]
 
-_GRAD = torch._C.TensorBase.grad
+# torch's stubs declare `grad` a plain attribute; at run time it is the C getset descriptor.
+_GRAD: types.GetSetDescriptorType = torch._C.TensorBase.grad  # type: ignore[assignment]
 """torch's own `grad` descriptor (C getter and setter)."""
 
 _CLIPPING_MODULE = "torch.nn.utils.clip_grad"
@@ -49,7 +51,7 @@ class UnitParameter(nn.Parameter):
     """A parameter view of a unit; see the module docstring ([Note: clipping refused])."""
 
     @property
-    def grad(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def grad(self) -> Optional[torch.Tensor]:
         g = _GRAD.__get__(self)
         if g is None and sys._getframe(1).f_globals.get("__name__") == _CLIPPING_MODULE:
             raise RuntimeError(CLIPPING_REFUSED)
@@ -63,6 +65,8 @@ class UnitParameter(nn.Parameter):
     def grad(self) -> None:
         _GRAD.__delete__(self)
 
-    def __repr__(self) -> str:
+    # nn.Parameter's own __repr__ takes no `tensor_contents` either (torch's stub of
+    # Tensor.__repr__ has it).
+    def __repr__(self) -> str:  # type: ignore[override]
         # As nn.Parameter prints, without this class's name inside.
         return "Parameter containing:\n" + repr(self.detach())

@@ -118,9 +118,9 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
     for name, p in model.named_parameters():
         records[id(p)] = ParamRecord(name, p)
     for m in model.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                records[id(p)].owners.append((m, attr))
+        for attr, owned in m._parameters.items():
+            if owned is not None:
+                records[id(owned)].owners.append((m, attr))
 
     plans = [UnitPlan("", model)] + [UnitPlan(n, m) for n, m in unit_mods]
     for rec in records.values():

@@ -15,15 +15,16 @@ autograd saved for backward stay valid: after a re-gather they see the same byte
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from offload.devices import same_device, side_stream
 import offload.units.collectives as _dist
 from offload.storage.nvme import wait_quietly
-from offload.storage.tiers import Tier, wait
+from offload.storage.tiers import Handle, Tier, wait
 from offload.units.layout import (
     FROZEN_GROUP,
     PARAM_ALIGN_ELEMS,
@@ -43,7 +44,8 @@ __all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_E
            "SHARD_ALIGN_ELEMS", "ParamSlot", "Segment", "UnitLayout", "UpdateRun", "intersect",
            "layout_unit", "update_runs"]
 
-_GRAD_OF = torch._C.TensorBase.grad.__get__
+# torch's stubs declare `grad` a plain attribute; at run time it is the C getset descriptor.
+_GRAD_OF = torch._C.TensorBase.grad.__get__  # type: ignore[union-attr]
 """torch's `.grad` getter, without a subclass's property in between."""
 
 
@@ -96,7 +98,7 @@ class FlatUnit:
         the rest, the frozen suffix, lives in the tier only ([Note: frozen parameters cost
         their shard only])."""
         self.state = UnitState.SHARDED
-        self._gather_work: Any = None
+        self._gather_work: Optional[dist.Work] = None
         self.holds = 0
         """Holds taken outside training (`engine.gathered`, a submodule called alone, a state
         dict: offload/runtime/gathered.py). While > 0, `free()` leaves the unit as it is: the
@@ -106,11 +108,12 @@ class FlatUnit:
         shard = tier.view(self.key)
         # World size 1 with the shard already on the compute device: the shard *is* the
         # full buffer, so gather and free are no-ops and nothing is ever copied.
-        self.aliased = (
-            pg.world_size == 1 and shard is not None and same_device(shard.device, device)
-        )
+        if pg.world_size != 1 or shard is None or not same_device(shard.device, device):
+            shard = None
+        self.aliased = shard is not None
         self._coll_device = _dist.collective_device(pg, device)
-        if self.aliased:
+        self.full: torch.Tensor
+        if shard is not None:
             self.full = shard
             self.state = UnitState.GATHERED
         else:
@@ -127,7 +130,7 @@ class FlatUnit:
         """Where the full buffer's bytes come from and go back to ([Note: reused full
         buffers] in offload/units/full_buffers.py); None: the CPU allocator."""
         self._full_buf: Optional[torch.Tensor] = None
-        self._reading: Any = None
+        self._reading: Handle = None
         """A read of the shard straight into `full` in flight (`start_read`), or None."""
 
     def _slot_view(self, slot: ParamSlot) -> torch.Tensor:
@@ -165,7 +168,7 @@ class FlatUnit:
         and the shard is all of it)."""
         return self._buffers is not None and not self.tier.addressable
 
-    def start_read(self) -> Any:
+    def start_read(self) -> Handle:
         """Start reading the shard into `full` (its bytes given first); returns the read's
         handle. Until `finish_read`, freeing `full` waits for the read (it lands in these
         bytes), and a change of the shard (`invalidate`) drops it."""
@@ -173,14 +176,14 @@ class FlatUnit:
         self._reading = self.tier.fetch(self.key, self.full[: self.layout.shard_numel])
         return self._reading
 
-    def reading(self, handle: Any) -> bool:
+    def reading(self, handle: Handle) -> bool:
         """Whether `handle` (from `start_read`) still fills `full` (not dropped with it)."""
         return handle is not None and self._reading is handle
 
-    def finish_read(self, handle: Any) -> None:
+    def finish_read(self, handle: Handle) -> None:
         """Wait for the read `handle`: the shard is in `full` (the gather finds it filled)."""
         try:
-            handle.wait()
+            wait(handle)
         finally:
             if self._reading is handle:
                 self._reading = None
@@ -192,6 +195,7 @@ class FlatUnit:
         if reading is not None:
             wait_quietly([reading])
         if self._full_buf is not None:
+            assert self._buffers is not None, "a pointed full buffer came from FullBuffers"
             self._buffers.unpoint(self.full, self._full_buf)
             self._full_buf = None
         else:
@@ -496,13 +500,20 @@ class GradReduce:
 
     __slots__ = ("have", "_work", "_flat", "_finish")
 
-    def __init__(self, have: list[bool], work: Any = None, flat: Any = None, finish: Any = None) -> None:
+    def __init__(
+        self,
+        have: list[bool],
+        work: Optional[dist.Work] = None,
+        flat: Optional[torch.Tensor] = None,
+        finish: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None,
+    ) -> None:
         self.have = have
         self._work = work
         self._flat = flat  # the collective's input: alive until it completes
         self._finish = finish
+        """(the reduced gradient, the gradient shard it goes to, whether to add to it)."""
 
-    def wait(self, host_async: bool = False) -> Any:
+    def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
         """Complete the reduction into the gradient shard. Returns None when the shard holds
         it now; with `host_async`, a GPU result bound for a pinned host shard is copied on a
         side stream instead, and the returned CUDA event marks when the shard holds it (the
@@ -524,7 +535,7 @@ class GradReduce:
         return None
 
 
-def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> Any:
+def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
     """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
     compute stream's work so far; returns the event recorded after the copy. `src` is kept
     from reuse until the copy has read it (`record_stream`)."""

@@ -55,10 +55,13 @@ import logging
 import os
 import re
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is imported where it is used (the `hf` extra)
+    from transformers import PreTrainedModel
 
 import offload.units.materialize as materialize
 from offload.checkpoint.safetensors_dir import RenamedSource, SafetensorsDir
@@ -130,14 +133,14 @@ def _resolve_dtype(dtype: Any, config: Any, reader: SafetensorsDir) -> torch.dty
     return dtype
 
 
-def _load_generation_config(model: nn.Module, path: str, transformers: Any) -> None:
+def _load_generation_config(model: PreTrainedModel, path: str, transformers: Any) -> None:
     if not (hasattr(model, "can_generate") and model.can_generate()):
         return
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
 
 
-def _plain_renamer(model: nn.Module) -> Any:
+def _plain_renamer(model: PreTrainedModel) -> Any:
     """key -> key after the model's renamings (transformers' conversion mapping); raises
     NotImplementedError for a key one of its converters would merge or split."""
     try:
@@ -174,7 +177,7 @@ def _target(key: str, expected: dict[str, Any], prefix: str) -> Optional[str]:
     return key if key in expected else None
 
 
-def _match_and_load_buffers(model: nn.Module, reader: SafetensorsDir,
+def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
                             ignore_mismatched_sizes: bool) -> dict[str, str]:
     """Match checkpoint keys to the model's state-dict keys, copy the persistent buffers
     found, warn about unused and missing keys; return {parameter name: checkpoint key}."""
@@ -272,7 +275,8 @@ def _module_init(model: nn.Module) -> Any:
         if tuner is not None:
             _init_adapter(root, tuner, module)
             return
-        owner = next((m for m in reversed(chain) if hasattr(m, "_init_weights")), root)
+        # The nearest module with transformers' `_init_weights` (a PreTrainedModel), duck-typed.
+        owner: Any = next((m for m in reversed(chain) if hasattr(m, "_init_weights")), root)
         owner._init_weights(module)
 
     return init
@@ -284,7 +288,9 @@ def _ancestors(root: nn.Module, module: nn.Module) -> list[nn.Module]:
         if m is module:
             path = [root]
             for part in name.split(".") if name else []:
-                path.append(path[-1]._modules[part])
+                child = path[-1]._modules[part]
+                assert child is not None, "named_modules walks only the submodules that are set"
+                path.append(child)
             return path
     return []
 
@@ -299,19 +305,21 @@ def _init_adapter(root: nn.Module, layer: nn.Module, module: nn.Module) -> None:
         for name, sub in (group.items() if isinstance(group, (nn.ModuleDict, nn.ParameterDict)) else ()):
             if sub is module or (isinstance(sub, nn.Module) and any(m is module for m in sub.modules())):
                 adapter = name
-        if group is module:  # a ParameterDict owns its parameters: every adapter in it
-            adapter = next(iter(group.keys()), None)
+        if group is module and isinstance(group, (nn.ModuleDict, nn.ParameterDict)):
+            adapter = next(iter(group.keys()), None)  # a ParameterDict owns its parameters: every adapter in it
     config = (getattr(root, "peft_config", None) or {}).get(adapter)
     how = getattr(config, "init_lora_weights", None)
-    if not hasattr(layer, "reset_lora_parameters") or adapter is None or config is None:
+    reset_lora = getattr(layer, "reset_lora_parameters", None)  # PEFT's LoRA layers have it
+    if reset_lora is None or adapter is None or config is None:
         raise NotImplementedError(
             f"{type(layer).__name__} adapters on a model loaded by from_pretrained into shards: "
             "only LoRA adapters are initialized at offload.initialize; add the adapter to a model "
             "loaded with transformers' from_pretrained, or use LoRA")
     if how is False:  # PEFT keeps the layers' own (random) init
         for m in module.modules():
-            if callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
         return
     if how is not True and how != "gaussian":
         raise NotImplementedError(
@@ -319,4 +327,4 @@ def _init_adapter(root: nn.Module, layer: nn.Module, module: nn.Module) -> None:
             "model loaded into shards does not have before offload.initialize; use "
             "init_lora_weights=True or 'gaussian', or add the adapter to a model loaded with "
             "transformers' from_pretrained")
-    layer.reset_lora_parameters(adapter, how)
+    reset_lora(adapter, how)

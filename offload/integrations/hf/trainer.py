@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from transformers import Trainer
@@ -70,7 +70,7 @@ class _EngineOptimizer:
 
     _is_accelerate_prepared = True
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: offload.Engine) -> None:
         self.engine = engine
         self.optimizer = engine.optimizer
         self._windows_seen = 0
@@ -136,13 +136,24 @@ class _EngineSchedule:
         return getattr(self.__dict__["scheduler"], name)
 
 
-class OffloadTrainerMixin:
+# The mixin goes before a Trainer class in the bases; the type checker reads it as a Trainer,
+# so that what it uses of the trainer (args, state, model, super()'s methods) is checked.
+if TYPE_CHECKING:
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class OffloadTrainerMixin(_TrainerBase):
     """The engine underneath any `transformers.Trainer` subclass (module docstring):
     `class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer): pass`. It goes first in
     the bases, so that its methods wrap the trainer's. `offload_config`: an `offload.Config`,
     a dict or a JSON/YAML path (offload's format or a DeepSpeed config with "auto" values);
     None: `args.deepspeed`, else the defaults. Every other argument is the trainer's.
     `trainer.engine` is the engine once training (or evaluation) started."""
+
+    _step_lr: Optional[float] = None
+    """The learning rate of the last applied update (None before the first)."""
 
     def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any,
                  offload_config: Any = None, **kwargs: Any) -> None:
@@ -198,7 +209,7 @@ class OffloadTrainerMixin:
 
     def _get_learning_rate(self) -> float:
         """The rate of the last update, as the Trainer logs it (its scheduler steps after)."""
-        lr = getattr(self, "_step_lr", None)
+        lr = self._step_lr
         return lr if lr is not None else super()._get_learning_rate()
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -224,6 +235,7 @@ class OffloadTrainerMixin:
         steps = int(self.state.max_steps or 0) or (self.args.max_steps if self.args.max_steps > 0 else None)
         config, own_optimizer = engine_config(self.offload_config, self.args, num_training_steps=steps,
                                               model=model)
+        groups: Union[torch.optim.Optimizer, list[dict[str, Any]], None]
         if own_optimizer:
             groups = None if self.optimizer is None else self.optimizer
         elif self.optimizer is not None:
@@ -232,7 +244,9 @@ class OffloadTrainerMixin:
             groups = adamw_groups(model, self.args, self.get_decay_parameter_names(model))
         self.engine = offload.initialize(model, config, optimizer=groups)
         model._is_accelerate_prepared = True  # prepare() returns it as it is
-        self.optimizer = _EngineOptimizer(self.engine)
+        # The Trainer's optimizer slot holds a stand-in, deliberately not a torch Optimizer
+        # (Accelerate passes it through): see _EngineOptimizer.
+        self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         engine = self._engine_or_raise("create_scheduler")
@@ -246,7 +260,8 @@ class OffloadTrainerMixin:
                         "OffloadTrainer (its steps follow evaluations, not optimizer steps); use a "
                         "schedule over steps")
                 engine.lr_scheduler = scheduler
-            self.lr_scheduler = _EngineSchedule(engine.lr_scheduler)
+            # A stand-in the engine steps, not the Trainer (see _EngineSchedule).
+            self.lr_scheduler = _EngineSchedule(engine.lr_scheduler)  # type: ignore[assignment]
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -272,8 +287,9 @@ class OffloadTrainerMixin:
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        assert output_dir is not None, "TrainingArguments.__post_init__ sets output_dir"
         if _is_peft(self.model):
-            self._save_adapter(output_dir)
+            self._save_adapter(self.engine, output_dir)
         else:
             self.engine.save_pretrained(output_dir)
         if self.args.should_save:
@@ -283,11 +299,12 @@ class OffloadTrainerMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_adapter(self, output_dir: str) -> None:
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        with self.engine.gathered([p for _, p in named]):
+    def _save_adapter(self, engine: offload.Engine, output_dir: str) -> None:
+        model: Any = self.model  # a PeftModel (`_is_peft`): its save_pretrained writes the adapter
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        with engine.gathered([p for _, p in named]):
             state = {n: p.detach().to("cpu", copy=True) for n, p in named}
-        self.model.save_pretrained(output_dir, state_dict=state, is_main_process=self.args.should_save)
+        model.save_pretrained(output_dir, state_dict=state, is_main_process=self.args.should_save)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.engine is None:
@@ -307,6 +324,7 @@ class OffloadTrainerMixin:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer loads the best model only once it has one"
         _check_engine_checkpoint(best)
         self._engine_or_raise("load_best_model_at_end").load_checkpoint(best)
 

@@ -147,7 +147,7 @@ def _fill_native(data: dict[str, Any], args: Any) -> None:
 
 def _check_typed(config: Config, args: Any) -> None:
     """A typed `Config` is taken as it is: it must agree with `args` on the loop's settings."""
-    rows = []
+    rows: list[tuple[str, object, str, object]] = []  # (our key, ours, their argument, theirs)
     if int(config.gradient_accumulation_steps) != int(args.gradient_accumulation_steps):
         rows.append(("gradient_accumulation_steps", config.gradient_accumulation_steps,
                      "gradient_accumulation_steps", args.gradient_accumulation_steps))
