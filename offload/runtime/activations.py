@@ -152,6 +152,7 @@ class _Region:
         # [Note: the GPU's RNG in a region] torch's checkpoint stashes the RNG state of the
         # devices its inputs are on, and it sees only their host copies: the CUDA generator is
         # the region's to restore, or dropout draws new masks in the recompute (issue #30, F3).
+        assert self.device is not None  # a CUDA RNG state is kept only with a device
         with torch.random.fork_rng(devices=[self.device]):
             torch.cuda.set_rng_state(self.rng_state, self.device)
             return self.function(*args)

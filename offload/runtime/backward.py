@@ -93,12 +93,12 @@ class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward says "backward has left this unit"."""
 
     @staticmethod
-    def forward(ctx, callback, *tensors):  # type: ignore[override]
+    def forward(ctx, callback, *tensors):
         ctx.callback = callback
         return tensors
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         ctx.callback()
         return (None,) + grads
 

@@ -101,6 +101,7 @@ class Gatherer:
             if self.schedule.following:
                 self._prefetch_ahead()
                 self._gather_next()
+        return False
 
     def next_uses(self, phase: Phase, n: int) -> list[int]:
         return self.schedule.next_uses(phase, n)

@@ -438,7 +438,7 @@ class Gathering:
         for name, p in module._parameters.items():
             key = prefix + name
             where = None if p is None else self.slot_of.get(id(p))
-            if where is None or key not in state_dict:
+            if p is None or where is None or key not in state_dict:
                 continue
             unit = self.units[where[0]]
             if unit.aliased and unit.full.device.type == "cpu":
@@ -466,7 +466,7 @@ class Gathering:
         for name, p in module._parameters.items():
             where = None if p is None else self.slot_of.get(id(p))
             value = state_dict.get(prefix + name)
-            if where is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            if p is None or where is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
                 continue  # torch reports a missing key or a wrong shape as it does for any model
             # A tied parameter's later name overwrites the earlier, as torch's copies do.
             self._loads.setdefault(where[0], {})[where[1]] = value

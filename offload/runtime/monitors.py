@@ -44,7 +44,8 @@ class Monitor:
     where = ""
     """Where it writes (a directory or file), for the initialize line."""
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def write(self, step: int, scalars: Mapping[str, Optional[float]]) -> None:
+        """The step's scalars; None for one this step has not (a skipped step's norm)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -62,7 +63,7 @@ class TensorBoardMonitor(Monitor):
         self.where = os.path.join(cfg.output_path, cfg.job_name)
         self._writer = SummaryWriter(log_dir=self.where)
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def write(self, step: int, scalars: Mapping[str, Optional[float]]) -> None:
         for key, value in scalars.items():
             if value is not None:
                 self._writer.add_scalar(key, value, step)
@@ -86,7 +87,7 @@ class WandbMonitor(Monitor):
                                name=cfg.job_name, dir=cfg.output_path)
         self.where = str(getattr(self._run, "dir", "") or cfg.project)
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def write(self, step: int, scalars: Mapping[str, Optional[float]]) -> None:
         self._run.log({k: v for k, v in scalars.items() if v is not None}, step=step)
 
     def close(self) -> None:
@@ -112,7 +113,7 @@ class CSVMonitor(Monitor):
                 self._columns = next(csv.reader(f), None)
         self._file = open(self.path, "a", newline="", encoding="utf-8")
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def write(self, step: int, scalars: Mapping[str, Optional[float]]) -> None:
         if self._columns is None:
             self._columns = ["step", *scalars]
             csv.writer(self._file).writerow(self._columns)

@@ -102,6 +102,10 @@ class Schedule:
         self._keep[self.iteration] = self._keep_set(rec)
         return True
 
+    def _ahead(self) -> list[Use]:
+        """The trace's uses from the cursor on (none while no trace is followed)."""
+        return self.trace[self.pos :] if self.trace is not None else []
+
     def use(self, unit: int, phase: Phase) -> bool:
         """Unit `unit` is needed now in `phase`; False when the iteration is (now) off trace."""
         if not self.active:
@@ -110,6 +114,7 @@ class Schedule:
         if self.off_trace:
             return False
         trace = self.trace
+        assert trace is not None  # on trace: the iteration follows a recorded trace
         if self.pos < len(trace) and trace[self.pos] == (unit, phase):
             self.pos += 1
             return True
@@ -139,7 +144,7 @@ class Schedule:
         out: list[int] = []
         seen: set[int] = set()
         total = 0
-        for unit, _ in self.trace[self.pos :]:
+        for unit, _ in self._ahead():
             if unit in seen or unit in self.pinned:
                 continue
             total += self.full_bytes[unit]
@@ -155,7 +160,7 @@ class Schedule:
         following or prefetch is off."""
         if not self.following or self.prefetch_bytes <= 0:
             return None
-        for unit, _ in self.trace[self.pos :]:
+        for unit, _ in self._ahead():
             if unit not in self.pinned:
                 return unit
         return None
@@ -185,7 +190,7 @@ class Schedule:
         if not self.following:
             return []
         out: list[int] = []
-        for unit, ph in self.trace[self.pos :]:
+        for unit, ph in self._ahead():
             if ph == phase and unit not in out:
                 out.append(unit)
                 if len(out) == limit:

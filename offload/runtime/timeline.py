@@ -173,11 +173,12 @@ class Timeline:
         cur = self.current
         if cur is None:
             return None
-        cur.step_s = now() - (self._t0 or now())
+        t0 = self._t0 if self._t0 is not None else now()
+        cur.step_s = now() - t0
         if self.io_stats is not None:
             cur.io_wait_s = self.io_stats.wait_s - self._io0
         if self.enabled:
-            cur.spans.append(Span("step", "step", "step", self._t0 or 0.0, self._t0 + cur.step_s))
+            cur.spans.append(Span("step", "step", "step", t0, t0 + cur.step_s))
         with self._lock:
             self.steps.append(cur)
             del self.steps[: -self.keep_steps]

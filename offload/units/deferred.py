@@ -77,8 +77,10 @@ stand-in, so that no value is computed just to be ignored (`orthogonal_`'s `new_
 _VALUE_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__",
                           "__complex__", "numpy", "__array__", "equal", "allclose", "__format__"})
 """Calls whose non-tensor result depends on values: computed for real, then and there."""
-_IS_META = torch.Tensor.is_meta.__get__
-_DEVICE = torch.Tensor.device.__get__
+# The getters of `t.is_meta` and `t.device`, as the mode receives them (typed as plain
+# attributes in torch's stubs, they are descriptors on the class).
+_IS_META = torch._C.TensorBase.__dict__["is_meta"].__get__
+_DEVICE = torch._C.TensorBase.__dict__["device"].__get__
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
 
@@ -198,7 +200,7 @@ def forget(t: torch.Tensor) -> None:
 
 
 def _ref(t: torch.Tensor, s: DeferredStorage) -> _Ref:
-    return _Ref(s, len(s.writes), tuple(t.size()), tuple(t.stride()), t.storage_offset())
+    return _Ref(s, len(s.writes), tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
 
 def _recorded(x: Any) -> Any:
@@ -399,6 +401,7 @@ class Session(contextlib.AbstractContextManager):
         def resolve(x: Any) -> Any:
             if isinstance(x, _Ref):
                 if x.storage is s:  # the storage being written, as it is now
+                    assert base is not None  # a write is always run on its storage's base
                     return base.as_strided(x.size, x.stride, x.offset)
                 return self.value(x)
             if isinstance(x, _StandIn):

@@ -259,7 +259,8 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
                 if b is not None and b.is_meta:
                     sub._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype)
         with torch.no_grad():
-            m.reset_parameters()
+            reset: Any = getattr(m, "reset_parameters")  # the user's module: checked callable above
+            reset()
         for sub, attr, p in restore:
             sub._parameters[attr] = p
         for sub in scope:
@@ -285,9 +286,9 @@ def _replay(model: nn.Module, all_records: list[Any]) -> Iterator[tuple[int, tor
 def _from_sources(records: list[list[Any]], attached: list[tuple[nn.Module, _Attached]]
                   ) -> Iterator[tuple[int, torch.Tensor]]:
     where: dict[int, tuple[_Attached, list[str]]] = {}
-    for _, a in attached:
-        for pid, (_, names) in a.names.items():
-            where[pid] = (a, names)
+    for _, src in attached:
+        for pid, (_, attach_names) in src.names.items():
+            where[pid] = (src, attach_names)
     # a parameter added inside an attached module after attach (an adapter's) is
     # initialized by that module's init_fn
     inside = {id(sub): a for m, a in attached for sub in m.modules()}
@@ -310,7 +311,7 @@ def _from_sources(records: list[list[Any]], attached: list[tuple[nn.Module, _Att
         return a is not None and any(n in a.source for n in names(rec))
 
     lacking = [rec for recs in records for rec in recs if rec.param.is_meta and not has_value(rec)]
-    no_init = [r.name for r in lacking if source_of(r) is None or source_of(r).init_fn is None]
+    no_init = [r.name for r in lacking if (giver := source_of(r)) is None or giver.init_fn is None]
     if no_init:
         raise ValueError(
             f"parameters {no_init[:8]}{'...' if len(no_init) > 8 else ''} are on the meta device "
@@ -326,7 +327,7 @@ def _from_sources(records: list[list[Any]], attached: list[tuple[nn.Module, _Att
             value: Optional[torch.Tensor] = None
             a = source_of(rec)
             for n in names(rec) if a is not None else ():
-                value = a.source.get(n)
+                value = a.source.get(n) if a is not None else None
                 if value is not None:
                     break
             if value is not None:
@@ -369,7 +370,9 @@ def _init_lacking(module: nn.Module, mine: list[Any], init_fn: Any) -> dict[int,
         with torch.no_grad():
             init_fn(module)
         for r, attr in made:
-            out[id(r.param)] = module._parameters[attr].detach()  # the init may replace it
+            value = module._parameters[attr]  # the init may replace it
+            assert value is not None, f"{type(module).__name__}.{attr} was set to None by the init"
+            out[id(r.param)] = value.detach()
     finally:
         for r, _ in made:
             for owner, a in r.owners:
