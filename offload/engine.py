@@ -129,7 +129,6 @@ class Engine:
             self.config = config
         self._close_nvme: Optional[Callable[[], Any]] = None
         self._hooks: list[Any] = []
-        LIVE_ENGINES.add(self)
         self._at_exit = drain_at_exit(self)  # a script that ends without close()
         self.state = EngineState.READY
         self._failure: Optional[BaseException] = None
@@ -174,6 +173,7 @@ class Engine:
         self._marked_generation = mark_synced_generation(model, self.world_size)
         self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
         self.reporter.log_built()
+        LIVE_ENGINES.add(self)  # built: zero.GatheredParameters / safe_get_* may find it
 
     # -- hooks (the wiring: each asks the collaborator that owns the state) -----------------
 

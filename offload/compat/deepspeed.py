@@ -30,7 +30,7 @@ import logging
 import os
 import types
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from offload.compat.deepspeed_leaf import (
 from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
 from offload.units.collectives import select_local_gpu, uses_nccl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from offload.engine import Engine
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
            "utils", "is_compile_supported"]
@@ -521,6 +524,15 @@ class _ZeroInit:
             self._ctx.__exit__(*exc)
 
 
+def _live_engines() -> list["Engine"]:
+    """The engines of this process not closed yet (each built whole: an engine joins the
+    registry at the end of its __init__)."""
+    from offload.engine import Engine
+    from offload.runtime.lifecycle import LIVE_ENGINES
+
+    return [e for e in list(LIVE_ENGINES) if isinstance(e, Engine)]
+
+
 class _GatheredParameters:
     """`deepspeed.zero.GatheredParameters(params, modifier_rank=None)` -> `engine.gathered(params,
     modifier_rank)` of the live engine that owns the parameters (a collective: every rank
@@ -530,16 +542,14 @@ class _GatheredParameters:
 
     def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
                  enabled: bool = True) -> None:
-        from offload.runtime.lifecycle import LIVE_ENGINES
 
         self._ctx: Any = None
         if not enabled or params is None:
             return
         items = [params] if isinstance(params, torch.Tensor) else list(params)
         owners = []
-        for engine in list(LIVE_ENGINES):
-            gathering = getattr(engine, "gathering", None)  # absent on an engine whose __init__ failed
-            mine = [p for p in items if gathering is not None and gathering.owns(p)]
+        for engine in _live_engines():
+            mine = [p for p in items if engine.gathering.owns(p)]
             if mine:
                 owners.append((engine, mine))
         if len(owners) > 1:
@@ -567,15 +577,13 @@ zero = types.SimpleNamespace(Init=_ZeroInit, GatheredParameters=_GatheredParamet
 # --------------------------------------------------------------------------------------
 
 
-def _safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+def _safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
     """`deepspeed.utils.safe_get_full_grad(param)` -> `engine.full_grad(param)` of the live
     engine that owns `param` (a collective: every rank calls it); `param.grad` for a
     parameter no engine owns, as DeepSpeed returns for a plain one."""
-    from offload.runtime.lifecycle import LIVE_ENGINES
 
-    for engine in list(LIVE_ENGINES):
-        grads = getattr(engine, "grads", None)  # absent on an engine whose __init__ failed
-        if grads is not None and grads.owns(param):
+    for engine in _live_engines():
+        if engine.grads.owns(param):
             return engine.full_grad(param)
     return param.grad
 
