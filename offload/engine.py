@@ -49,6 +49,7 @@ from offload.runtime.lifecycle import (
 )
 from offload.runtime.monitors import check_monitors
 from offload.runtime.optimizer_step import StepMode, StepPolicy
+from offload.runtime.param_state import ParamState
 from offload.runtime.report import StepReporter
 from offload.runtime.schedule import Phase
 from offload.runtime.timeline import Timeline, now
@@ -90,16 +91,15 @@ def initialize(
 class Engine:
     """ZeRO-3 partitioned training of one model; built by `offload.initialize`.
 
-    Attributes users rely on: `module` (the wrapped model), `optimizer` (a
-    `torch.optim.Optimizer` whose `param_groups` drive the learning rate), `lr_scheduler`,
-    `global_steps` (applied optimizer steps), `micro_steps`, `skipped_steps`,
-    `loss_scale`, `last_grad_norm`, `rank`, `world_size`, `device`.
+    Attributes users rely on: `module`, `optimizer` (its `param_groups` drive the learning
+    rate), `lr_scheduler`, `global_steps`, `micro_steps`, `skipped_steps`, `loss_scale`,
+    `last_grad_norm`, `rank`, `world_size`, `device`, `param_state` (one parameter's fp32
+    value and optimizer state: offload/runtime/param_state.py).
 
-    The Engine is the wiring: `build` makes the units, tiers and optimizer state; the
-    `Gatherer` hands each unit a gathered buffer when the hooks below ask; the
-    `BackwardTracker` follows the backward pass and reduces gradients into the shards; the
-    `StepPolicy` decides where and how updates run. `sharded_state` is what checkpoints and
-    weight export see.
+    The wiring: `build` makes the units, tiers and optimizer state; the `Gatherer` hands each
+    unit a gathered buffer when the hooks below ask; the `BackwardTracker` reduces gradients
+    into the shards; the `StepPolicy` decides where updates run; `sharded_state` is what
+    checkpoints and weight export see.
     """
 
     def __init__(
@@ -159,6 +159,7 @@ class Engine:
                                                 share_scratch=self.policy.worker is None)
         self.policy.lr_scheduler = resolve_scheduler(self.optimizer, lr_scheduler, config.scheduler)
         self.grads = Gradients(model, self.units, self.states, self.policy, self.pg, self.device)
+        self.param_state = ParamState(self.grads, self.units, self.optimizer, self.pg, self.device, self.policy)
         self.sharded_state = ShardedState(
             module=model, config=config, rank=self.rank, world_size=self.world_size, pg=self.pg,
             device=self.device, dtype=self.dtype, units=self.units, states=self.states,
@@ -315,9 +316,7 @@ class Engine:
             raise
         self._finish_backward()
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.policy.is_boundary()
-
+    is_gradient_accumulation_boundary = lambda self: self.policy.is_boundary()  # noqa: E731
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Whether the coming micro-batch ends an accumulation window (DeepSpeed's method):
         set before its backward; None counts to gradient_accumulation_steps again."""

@@ -317,3 +317,16 @@ def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path
         "plain torch, fused AdamW": plain(True),
     }, multiple=PEER_MULTIPLE, truth_name="offload")
     bound.check(weights["deepspeed"], "DeepSpeed ZeRO-3")
+
+
+def test_zero_optimization_stage_is_the_configured_stage():
+    """It said 3 whatever the config said (issue #33)."""
+    for stage in (1, 2, 3):
+        model, _ = _gpt_and_data()
+        zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+        cfg = {**DS, "zero_optimization": zero}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        assert engine.zero_optimization_stage() == stage
+        engine.engine.close()

@@ -117,7 +117,7 @@ class Gradients:
 
     # -- a full gradient --------------------------------------------------------------------
 
-    def _locate(self, param: Union[str, nn.Parameter]) -> tuple[str, int, int]:
+    def locate(self, param: Union[str, nn.Parameter]) -> tuple[str, int, int]:
         if isinstance(param, str):
             by_name = dict(self.module.named_parameters(remove_duplicate=False))
             if param not in by_name:
@@ -147,7 +147,7 @@ class Gradients:
         same parameter, and gets the result on the compute device. The ranks' parts are
         summed into one tensor of the parameter's size (one all-reduce): bounded by the
         parameter, not its unit."""
-        name, ui, si = self._locate(param)
+        name, ui, si = self.locate(param)
         st = self.states[ui]
         slot = self.units[ui].layout.slots[si]
         # Decided alike on every rank (the all-reduce below needs them all): a parameter no
