@@ -518,21 +518,21 @@ class Engine:
         self._check_ready("engine.save_checkpoint")
         return save_checkpoint(self.sharded_state, save_dir, tag, client_state)
 
-    def load_checkpoint(
-        self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None
-    ) -> tuple[str, Any]:
-        """Resume from `load_dir/<tag>` (default: the one `latest` names), also from a run
-        with another world size. Every rank calls it. Returns (path, client_state).
-        `copy_to_swap` (optimizer state on NVMe): read the checkpoint in place (False), copy
-        it into the swap file (True), or in place when on the swap's filesystem (None);
-        checksums are verified either way. See docs/checkpoint.md."""
-        from offload.checkpoint import load_checkpoint
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, Any]:
+        """Resume from `load_dir/<tag>` (default: `latest`'s), also at another world size; every
+        rank calls it; returns (path, client_state). `copy_to_swap`: read NVMe state in place
+        (False), copy it into the swap (True), or in place on the swap's filesystem (None).
+        The `load_*` flags are DeepSpeed's (what each keeps: `offload.checkpoint.load`)."""
+        from offload.checkpoint.load import LoadParts, load_checkpoint
 
         self._settle()
         if self.state is EngineState.FAILED or self._lost_write() is not None:
             self._recover()
         self.gather.drop()  # shards fetched ahead are about to go stale
-        out = load_checkpoint(self.sharded_state, load_dir, tag, copy_to_swap=copy_to_swap)
+        out = load_checkpoint(self.sharded_state, load_dir, tag, copy_to_swap=copy_to_swap,
+                              parts=LoadParts(load_optimizer_states, load_lr_scheduler_states, load_module_only))
         # Every unit's parameters and state now come from the checkpoint: consistent again.
         self.state, self._failure = EngineState.READY, None
         self.policy.reset()

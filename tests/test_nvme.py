@@ -326,10 +326,18 @@ def test_memory_bytes_counts_swap_files_and_the_pinned_pool(tmp_path):
 # -- errors at initialize ----------------------------------------------------------------------
 
 
-def test_missing_nvme_path_is_a_clear_error(tmp_path):
-    missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match="does not exist; create it"):
-        offload.initialize(TinyGPT(), tier_config(missing))
+def test_missing_nvme_path_is_created_as_deepspeed_creates_its_swap_folder(tmp_path):
+    missing = tmp_path / "nope" / "swap"
+    engine = offload.initialize(TinyGPT(), tier_config(missing))
+    assert missing.is_dir()
+    engine.close()
+
+
+def test_nvme_path_that_cannot_be_created_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "swap"  # under a file: ENOTDIR
+    with pytest.raises(OSError, match=r"offload.nvme_path .*cannot be created \(ENOTDIR"):
+        offload.initialize(TinyGPT(), tier_config(bad))
 
 
 def test_read_only_nvme_path_is_a_clear_error():

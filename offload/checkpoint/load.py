@@ -35,6 +35,19 @@ swap slot (`ShardedAdam.begin_overwrite`, not read first) and are verified there
   in the swap slot (`end_overwrite`) while the next unit's chunks are read: no copy, and
   the swap write overlaps the checkpoint reads.
 
+What is loaded (`LoadParts`, DeepSpeed's `load_checkpoint` flags):
+- everything (the default): the weights (masters and frozen values), the optimizer's
+  moments and per-parameter step counts, hyperparameters, scheduler, counters, loss scale,
+  buffers, RNG states;
+- `load_optimizer_states=False`: the weights, buffers, counters, loss scale, scheduler and
+  RNG states, not the optimizer's moments, step counts and hyperparameters (this engine's
+  stay, fresh ones for a new engine: fine-tuning from a checkpoint with a new optimizer);
+- `load_lr_scheduler_states=False`: everything but the scheduler (this engine's stays; a
+  checkpoint with or without one then loads into an engine with or without one);
+- `load_module_only=True`: the weights and buffers only; the client_state is still returned.
+Each weight-only unit is put together with this engine's own moments and step counts and
+stored through `load_unit_state` (through to NVMe): one unit at a time.
+
 Re-sharding and RNG: a rank that existed in the saving run gets its own RNG states and
 `client_state` back; a rank beyond the saved world size gets rank 0's `client_state` and
 keeps its RNG states (there are none saved for it).
@@ -47,6 +60,7 @@ import io
 import os
 import random
 import zlib
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -68,9 +82,25 @@ from offload.runtime.view import Location, ShardedState
 from offload.units.shard import FlatUnit
 
 
+@dataclass(frozen=True)
+class LoadParts:
+    """What of a checkpoint `load_checkpoint` restores (DeepSpeed's flags; module docstring)."""
+
+    optimizer_states: bool = True
+    """The optimizer's moments, per-parameter step counts and hyperparameters."""
+    lr_scheduler_states: bool = True
+    """The learning-rate scheduler's state."""
+    module_only: bool = False
+    """The weights and buffers only (overrides the two above)."""
+
+    @property
+    def moments(self) -> bool:
+        return self.optimizer_states and not self.module_only
+
+
 def load_checkpoint(
     sharded: ShardedState, load_dir: str, tag: Optional[str] = None, *,
-    window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
+    window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None, parts: LoadParts = LoadParts(),
 ) -> tuple[str, Any]:
     """Load `load_dir/<tag>` (default: the tag `latest` names) into `sharded` (the engine's
     state). Every rank must call it. Returns (checkpoint path, this rank's client_state).
@@ -87,17 +117,20 @@ def load_checkpoint(
     manifest.check_compatible(saved, sharded)
     own = sharded.rank if sharded.rank < saved["world_size"] else 0
     small = read_rank_state(path, saved, own)
-    if (small["lr_scheduler"] is None) != (sharded.lr_scheduler is None):
+    scheduler = parts.lr_scheduler_states and not parts.module_only
+    if scheduler and (small["lr_scheduler"] is None) != (sharded.lr_scheduler is None):
         have = "has" if small["lr_scheduler"] is not None else "has no"
         mine = "has one" if sharded.lr_scheduler is not None else "has none"
         raise ValueError(
             f"checkpoint {path!r} {have} learning-rate scheduler state but this engine {mine}; "
-            "build the engine with the same lr_scheduler / config.scheduler as the saving run"
+            "build the engine with the same lr_scheduler / config.scheduler as the saving run, "
+            "or load with load_lr_scheduler_states=False"
         )
     sharded.sync_device()
     sharded.optimizer.clear_grads()  # gradients of the interrupted step go
-    load_units(sharded, path, saved, small["slot_steps"], window=window, copy_to_swap=copy_to_swap)
-    _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"])
+    load_units(sharded, path, saved, small["slot_steps"], window=window, copy_to_swap=copy_to_swap,
+               moments=parts.moments)
+    _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"], parts=parts)
     return path, small["client_state"]
 
 
@@ -118,11 +151,13 @@ def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, An
 
 def load_units(
     sharded: ShardedState, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
-    *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
+    *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None, moments: bool = True,
 ) -> None:
     """Every unit's master and moments (this rank's shard under the current layout) from
     checkpoint `path` into the optimizer's store, with per-parameter step counts from
-    `steps_by_name` (0 for a name not there). See the module docstring."""
+    `steps_by_name` (0 for a name not there). `moments` False: the masters (and frozen
+    values) only, stored with this engine's own moments and step counts. See the module
+    docstring."""
     staging = CheckpointIO.of(sharded.optimizer, sharded.config.aio, 0.0, saved["chunk_bytes"], window)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
     records = manifest.records_by_rank(path, saved)
@@ -133,6 +168,7 @@ def load_units(
 
     # Where each unit's chunks land ([Note: load destinations]).
     in_place = state_in_host_memory(sharded)
+    weights_only = not moments
     slots: dict[int, UnitTensors] = {}
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
     sources: dict[int, tuple[str, dict[str, int]]] = {}
@@ -143,7 +179,9 @@ def load_units(
         for unit in sharded.units:
             layout = unit.layout
             n_opt = layout.shard_optimized_numel(rank)
-            if in_place or sharded.optimizer.store.resident_at(unit.index):
+            if weights_only:
+                dest = {"master": torch.empty(unit.master_numel, dtype=torch.float32)}
+            elif in_place or sharded.optimizer.store.resident_at(unit.index):
                 with sharded.optimizer.unit_state(unit.index) as live:
                     # the host store's own tensors: they outlive the context
                     dest = {name: live[name] for name in ("master", *sharded.optimizer.state_names)}
@@ -178,6 +216,11 @@ def load_units(
     def on_done(index: int) -> None:
         dest = pending.pop(index)
         unit = next(u for u in sharded.units if u.index == index)
+        if weights_only:  # this engine's own moments and step counts, the checkpoint's weights
+            with sharded.optimizer.unit_state(index) as live:
+                own = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in live.items()}
+            sharded.optimizer.load_unit_state(index, {**own, **dest})
+            return
         steps = [int(steps_by_name.get(s.name, 0)) for s in unit.layout.slots]
         if index in slots:
             # read straight into the slot's buffer: one asynchronous write stores it
@@ -284,24 +327,33 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @torch.no_grad()
-def _restore_small_state(sharded: ShardedState, small: dict[str, Any], restore_rng: bool) -> None:
+def _restore_small_state(sharded: ShardedState, small: dict[str, Any], restore_rng: bool,
+                         parts: LoadParts = LoadParts()) -> None:
     """Counters, loss scaler, optimizer hyperparameters, scheduler, buffers and (when this
-    rank saved them) RNG states from the rank's small state `small`."""
+    rank saved them) RNG states from the rank's small state `small`, as far as `parts` says."""
+    buffers = small["buffers"]
+    for entry in sharded.state_dict_index:
+        if entry.location is Location.BUFFER and entry.key in buffers:
+            buffer = entry.where
+            buffer.copy_(buffers[entry.key].to(device=buffer.device, dtype=buffer.dtype))
+    if parts.module_only:
+        return
     counters = sharded.counters
     counters.global_steps = int(small["global_steps"])
     counters.micro_steps = int(small["micro_steps"])
     counters.skipped_steps = int(small["skipped_steps"])
     counters.last_grad_norm = small["last_grad_norm"]
     sharded.scaler.load_state_dict(small["loss_scaler"])
-    for mine, theirs in zip(sharded.optimizer.param_groups, small["param_groups"]):
-        mine.update(theirs)
-    if sharded.lr_scheduler is not None:
+    if parts.optimizer_states:
+        for mine, theirs in zip(sharded.optimizer.param_groups, small["param_groups"]):
+            mine.update(theirs)
+    if parts.lr_scheduler_states and sharded.lr_scheduler is not None and small["lr_scheduler"] is not None:
         sharded.lr_scheduler.load_state_dict(small["lr_scheduler"])
-    buffers = small["buffers"]
-    for entry in sharded.state_dict_index:
-        if entry.location is Location.BUFFER and entry.key in buffers:
-            buffer = entry.where
-            buffer.copy_(buffers[entry.key].to(device=buffer.device, dtype=buffer.dtype))
+        last = getattr(sharded.lr_scheduler, "get_last_lr", None)  # a torch LRScheduler (the user's)
+        if not parts.optimizer_states and callable(last):
+            # the groups' other hyperparameters stay this engine's; the rate is the schedule's
+            for group, lr in zip(sharded.optimizer.param_groups, last()):
+                group["lr"] = lr
     if restore_rng:
         set_rng_state(small["rng"])
 

@@ -434,12 +434,14 @@ class DeepSpeedEngine:
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Any = None) -> tuple[Any, Any]:
-        """Returns (load_path, client_state), as DeepSpeed."""
+        """Returns (load_path, client_state), as DeepSpeed; the `load_*` flags keep what
+        DeepSpeed's keep (`offload.checkpoint.load`)."""
         _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
-                            load_optimizer_states=(load_optimizer_states, True),
-                            load_lr_scheduler_states=(load_lr_scheduler_states, True),
-                            load_module_only=(load_module_only, False), custom_load_fn=(custom_load_fn, None))
-        return self.engine.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag))
+                            custom_load_fn=(custom_load_fn, None))
+        return self.engine.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag),
+                                           load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=load_lr_scheduler_states,
+                                           load_module_only=load_module_only)
 
     def save_16bit_model(self, save_dir: Union[str, os.PathLike],
                          save_filename: str = "pytorch_model.bin",

@@ -228,10 +228,10 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype,
 def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tuple[StateSpec, ...],
                 planned: Planned, placement: Placement) -> None:
     """What NVMe tiers need of the machine, checked before anything is created."""
-    from offload.storage.swap import check_free_space, check_swap_dir, stale_swap_bytes, swap_bytes_needed
+    from offload.storage.swap import check_free_space, make_swap_dir, stale_swap_bytes, swap_bytes_needed
 
     off = config.offload
-    check_swap_dir(off.nvme_path)
+    make_swap_dir(off.nvme_path)  # created when missing, as DeepSpeed creates its swap folder
     param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
     for (plan, layout, _), param_on, state_on in zip(planned, placement.param_on_nvme,
                                                      placement.state_on_nvme):
