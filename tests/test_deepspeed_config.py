@@ -466,3 +466,20 @@ def test_world_size_comes_from_an_initialised_process_group(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert config.gradient_accumulation_steps == 4
+
+
+def test_offloads_prefetch_section_in_a_deepspeed_config():
+    """`prefetch.optimizer_in_backward: false` (the fix full_grad's error names) can be set
+    from a DeepSpeed config: offload's `prefetch` section at its top level (issue #33)."""
+    import warnings
+
+    from offload.config import ConfigError, load_config
+
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(base).prefetch.optimizer_in_backward is True
+        cfg = load_config({**base, "prefetch": {"optimizer_in_backward": False, "keep_bytes": 0}})
+    assert cfg.prefetch.optimizer_in_backward is False and cfg.prefetch.keep_bytes == 0
+    with pytest.raises(ConfigError, match="did you mean 'optimizer_in_backward'"):
+        load_config({**base, "prefetch": {"optimizer_in_bakward": False}})

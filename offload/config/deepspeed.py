@@ -148,6 +148,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _aio(t)
     _logging(t)
     _activation_checkpointing(t)
+    _offload_prefetch(t)
     try:
         sections = t.sections
         config = Config(offload=OffloadConfig(**sections["offload"]),
@@ -175,8 +176,20 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     return config
 
 
-OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules")
-"""offload's keys that a DeepSpeed-format config may carry at its top level (docs/config.md)."""
+OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules", "prefetch")
+"""offload's keys that a DeepSpeed-format config may carry at its top level (docs/config.md):
+the unit choice, and offload's `prefetch` section (e.g. `"prefetch": {"optimizer_in_backward":
+false}`, the fix for reading gradients between backward and step), whose keys win over what
+the translation derived from `zero_optimization`."""
+
+
+def _offload_prefetch(t: Translation) -> None:
+    """A DeepSpeed config's top-level `prefetch`: offload's own section, applied last."""
+    import dataclasses
+
+    sec = read_section("prefetch", t.ds.get("prefetch"), [f.name for f in dataclasses.fields(PrefetchConfig)])
+    for key, value in sec.items():
+        t.set(f"prefetch.{key}", value, f"prefetch.{key}")
 
 
 _DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")
@@ -211,7 +224,7 @@ def _top_level(t: Translation) -> None:
     """Classify the top-level keys; handle the small sections that only say "off"."""
     ds = t.ds
     known = sorted(TOP_MAPPED | set(TOP_IGNORED) | set(OFFLOAD_EXTENSIONS))
-    for key in OFFLOAD_EXTENSIONS:  # offload's own keys a DeepSpeed config may carry
+    for key in ("unit_modules", "leaf_modules"):  # offload's own keys a DeepSpeed config may carry
         if key in ds:
             t.set(key, class_names(key, ds[key]), key)
     for key in ds:

@@ -109,12 +109,12 @@ def read_config_file(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
     return data
 
 
-_OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "prefetch", "timeline", "compute_device",
+_OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "timeline", "compute_device",
                                     "cpu_adam_threads", "nonfinite_loss", "collective_timeout_s",
                                     "logging", "monitors", "zero_stage"})
-"""Top-level keys of offload's format that DeepSpeed does not have. `unit_modules` and
-`leaf_modules` are offload's too, but a DeepSpeed config may carry them (the translation
-reads them: offload/config/deepspeed.py), so they mark neither format."""
+"""Top-level keys of offload's format that DeepSpeed does not have. `unit_modules`,
+`leaf_modules` and `prefetch` are offload's too, but a DeepSpeed config may carry them (the
+translation reads them: offload/config/deepspeed.py), so they mark neither format."""
 
 
 def is_deepspeed_config(data: Mapping[str, Any]) -> bool:
