@@ -483,3 +483,25 @@ def test_offloads_prefetch_section_in_a_deepspeed_config():
     assert cfg.prefetch.optimizer_in_backward is False and cfg.prefetch.keep_bytes == 0
     with pytest.raises(ConfigError, match="did you mean 'optimizer_in_backward'"):
         load_config({**base, "prefetch": {"optimizer_in_bakward": False}})
+
+
+def test_a_small_sub_group_size_is_not_a_tiny_pinned_budget(tmp_path):
+    """sub_group_size counts parameters per optimizer sub-group (DeepSpeed's buffers hold the
+    largest sub-group, at least the largest parameter): 100 became a 1,600-byte budget that
+    initialize refused (issue #33). Now the budget is never below offload's default, and the
+    engine initializes."""
+    import warnings
+
+    import offload
+    from offload.config import OffloadConfig, load_config
+    from tests.conftest import TinyGPT
+
+    ds = {"train_micro_batch_size_per_gpu": 1,
+          "zero_optimization": {"stage": 3, "sub_group_size": 100,
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config(ds)
+    assert cfg.offload.pinned_budget_bytes >= OffloadConfig.pinned_budget_bytes
+    engine = offload.initialize(TinyGPT(), cfg)
+    engine.close()

@@ -246,8 +246,13 @@ def _pinned_budget(t: Translation, zero: dict[str, Any], key_of: dict[str, str],
         count = positive_int(f"{optim_path}.buffer_count", optim.get("buffer_count", _OPTIMIZER_BUFFER_COUNT),
                              "use e.g. 4 (DeepSpeed's default)")
         if sub_group is not None:
-            budget += count * positive_int(key_of["sub_group_size"], sub_group,
-                                           "use e.g. 1000000000 elements (DeepSpeed's default)") * 4
+            # A count of parameters per sub-group, and a sub-group never splits a parameter:
+            # DeepSpeed's buffers hold the largest sub-group, at least the largest parameter.
+            # So a small sub_group_size (DeepSpeed's tests use 100) is no budget: the
+            # optimizer part is never below offload's default.
+            groups = count * positive_int(key_of["sub_group_size"], sub_group,
+                                          "use e.g. 1000000000 elements (DeepSpeed's default)") * 4
+            budget += max(groups, OffloadConfig.pinned_budget_bytes)
         else:
             budget += OffloadConfig.pinned_budget_bytes
     else:
