@@ -5,14 +5,23 @@ Each benchmark script answers one question and follows the same convention (--qu
 suite down, and each starts with a clean allocator and page cache state), collects their
 JSON, and writes a Markdown report (tables + PNG plots when matplotlib is installed) and
 one combined JSON file.
+
+Nothing is left outside `--out`: each benchmark runs with TMPDIR set to a scratch folder
+of its own under `--out`, removed when it ends (killed or not). Its test files, checkpoints
+and swap files (the benchmarks' default directories are in the temp dir), and what
+libraries put in the temp dir (torch's inductor cache folder), all go there, so the disk
+`--out` is on is the disk the I/O benchmarks measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{load_before['load_avg'][0]:g} > 0.5 x {load_before['cores']} cores; "
                   f"its figures may be off (rerun on a quiet machine)", flush=True)
         t0 = time.perf_counter()
-        log, rc = _run(cmd, here.parent, timeout_s, name)
+        scratch = tempfile.mkdtemp(prefix=f".scratch-{name}-", dir=out)
+        try:
+            log, rc = _run(cmd, here.parent, timeout_s, name, {**os.environ, "TMPDIR": scratch})
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         load = {"before": load_before, "after": load_average(), "busy_before": busy(load_before)}
         (out / f"{name}.log").write_text(log)
         if rc != 0:
@@ -100,17 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _run(cmd: list[str], cwd: Path, timeout_s: float, name: str) -> tuple[str, Optional[int]]:
-    """Run one benchmark, its stdout and stderr merged, echoed live; return (log, exit status,
-    None when it was killed for `timeout_s`).
+def _run(cmd: list[str], cwd: Path, timeout_s: float, name: str,
+         env: dict[str, str]) -> tuple[str, Optional[int]]:
+    """Run one benchmark in `env`, its stdout and stderr merged, echoed live; return (log,
+    exit status, None when it was killed for `timeout_s`).
 
     The benchmark's output is a pipe, so its rounds arrive as `[progress] desc k/n` lines
     (benchmarks/_common.py `Progress`). On a terminal they drive one tqdm bar per benchmark
     (its total grows as each case announces its rounds); elsewhere (CI, a log file) they are
     echoed as the plain lines they are.
     """
-    proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            bufsize=1)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, bufsize=1)
     killed = threading.Event()
 
     def kill() -> None:

@@ -88,7 +88,7 @@ def _filesystem_of(path: str) -> str:
 # (the row's contender) is faster than X; below 1, slower. "vs roofline" / "vs disk" read the
 # same way: the share of that limit reached. One direction, so no table needs decoding.
 RATIO_LEGEND = ("ratios: every 'vs X' column is X's time / ours (= our rate / X's rate); "
-                ">1 means offload is faster than X, <1 slower; n/a (reason) when X did not run")
+                ">1 means offload is faster than X, <1 slower; n/a when X did not run (why: under the table)")
 
 
 def peer_reason(exc: BaseException) -> str:
@@ -198,25 +198,32 @@ def timed(fn: Callable[[], Any]) -> float:
 def print_table(rows: Sequence[dict[str, Any]], columns: Optional[Sequence[str]] = None,
                 na: Optional[dict[str, str]] = None) -> None:
     """A plain aligned table; the caller puts ratio columns last. `na` maps a column to the
-    reason its empty cells are empty (the peer it compares with did not run), printed as
-    "n/a (reason)" in place of a bare dash; the legend of the ratios goes above."""
+    reason its empty cells are empty (the peer it compares with did not run): those cells
+    read "n/a" in place of a bare dash, and each reason is printed once under the table, with
+    the columns it empties, not in every cell (issue #36). The legend of the ratios goes
+    above."""
     if not rows:
         print("(no rows)")
         return
     columns = list(columns or rows[0].keys())
     if any(c.startswith("vs") for c in columns):
         print(RATIO_LEGEND)
-    na = na or {}
-    cells = [[_fmt(r.get(c), na.get(c)) for c in columns] for r in rows]
+    na = {c: why for c, why in (na or {}).items() if c in columns}
+    cells = [[_fmt(r.get(c), c in na) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     print("  ".join("-" * w for w in widths))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    by_reason: dict[str, list[str]] = {}
+    for c, why in na.items():
+        by_reason.setdefault(why, []).append(c)
+    for why, cols in by_reason.items():
+        print(f"n/a in {', '.join(cols)}: {why}")
 
 
-def _fmt(v: Any, why_empty: Optional[str] = None) -> str:
-    empty = f"n/a ({why_empty})" if why_empty else "-"
+def _fmt(v: Any, na: bool = False) -> str:
+    empty = "n/a" if na else "-"
     if v is None:
         return empty
     if isinstance(v, float):

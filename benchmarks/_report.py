@@ -8,7 +8,8 @@ its question at a glance:
 - bench_adam        Adam parameters/s vs threads, one line per contender (largest size run)
 - bench_optimizers  Lion and Adagrad parameters/s per contender against the roofline
 - bench_train       step time by tier (the engine's placements next to the peers)
-- bench_checkpoint  save / load GB/s by optimizer tier, next to the disk and torch.save/load
+- bench_checkpoint  save / load GB/s by optimizer tier, next to the disk (and the disk copy an
+                    NVMe-tier save is judged against) and torch.save/load
 
 Plots need matplotlib (`pip install 'offload[bench]'`). Without it, or when one plot fails,
 the report says so in place of the image and the tables are written all the same: a report
@@ -43,10 +44,10 @@ def render(suite: dict[str, Any], out: Path) -> tuple[str, dict[str, str]]:
         wall = result.get("_wall_s")
         lines += [f"## {name}" + (f" ({wall:g} s)" if wall is not None else ""), ""]
         missing = result.get("peers_missing") or {}
-        if missing:
-            lines += ["Peers missing: " + "; ".join(f"{k}: {v}" for k, v in missing.items()), ""]
-        na = {**na_reasons(result.get("ratio_peers") or {}, missing), **(result.get("na_reasons") or {})}
+        why_na = result.get("na_reasons") or {}
+        na = set(na_reasons(result.get("ratio_peers") or {}, missing)) | set(why_na)
         lines += _table(result.get("rows") or [], na)
+        lines += _not_run(missing, why_na)
         if plt is None:
             continue
         try:
@@ -98,23 +99,38 @@ def _triple(load: dict[str, Any]) -> str:
     return " / ".join(f"{x:.2f}" for x in load["load_avg"])
 
 
-def _table(rows: list[dict[str, Any]], na: Optional[dict[str, str]] = None) -> list[str]:
-    """A Markdown table; an empty cell of a column in `na` reads "n/a (why)". Tables with ratio
-    columns get the legend above them."""
+def _table(rows: list[dict[str, Any]], na: Optional[set[str]] = None) -> list[str]:
+    """A Markdown table; an empty cell of a column in `na` reads "n/a", its reason said once
+    under the table (`_not_run`). Tables with ratio columns get the legend above them."""
     if not rows:
         return ["(no rows)", ""]
     cols: list[str] = []
     for r in rows:  # the union of the rows' columns, in first-seen order
         cols += [c for c in r if c not in cols]
-    na = na or {}
+    na = na or set()
     out = [RATIO_LEGEND + ".", ""] if any(c.startswith("vs") for c in cols) else []
     out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(_cell(r.get(c), na.get(c)) for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(_cell(r.get(c), c in na) for c in cols) + " |" for r in rows]
     return out + [""]
 
 
-def _cell(v: Any, why_empty: Optional[str] = None) -> str:
-    empty = f"n/a ({why_empty})" if why_empty else ""
+def _not_run(missing: dict[str, str], why_na: dict[str, str]) -> list[str]:
+    """One line under a table: each peer that did not run, with why, peers sharing a reason
+    named together, then why any other column has n/a cells. Once per table, not in every
+    cell: bench_train's table once repeated "n/a (deepspeed not installed ...)" 44 times."""
+    parts = []
+    if missing:
+        by_reason: dict[str, list[str]] = {}
+        for peer, why in missing.items():
+            by_reason.setdefault(why, []).append(peer)
+        parts.append("Peers missing: "
+                     + "; ".join(f"{', '.join(peers)}: {why}" for why, peers in by_reason.items()) + ".")
+    parts += [f"n/a in {col}: {why}." for col, why in why_na.items()]
+    return [" ".join(parts), ""] if parts else []
+
+
+def _cell(v: Any, na: bool = False) -> str:
+    empty = "n/a" if na else ""
     if isinstance(v, float):
         if v != v:
             return empty
@@ -136,10 +152,14 @@ def _plot(name: str, result: Result, out: Path, plt: Any) -> Optional[tuple[str,
         caption = draw(rows, result, ax)
         if caption is None:
             return None
-        ax.set_title(caption, fontsize="medium")
+        ax.set_title(caption, fontsize="medium", loc="left")  # from the axes rightwards, over the legend: never cut off
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+            # Right of the axes, not inside them: "best" still covered lines or bars in three
+            # of the five plots. The figure widens by about the legend's width and
+            # tight_layout fits the axes into the rest.
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+            fig.set_size_inches(10.5, 4.5)
         fig.tight_layout()
         file_name = f"{name}.png"
         fig.savefig(out / file_name, dpi=110)
@@ -283,13 +303,19 @@ def _plot_train(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
 
 
 def _plot_checkpoint(rows: list[dict], result: Result, ax: Any) -> Optional[str]:
-    """Grouped bars: per (tier, op), offload vs the disk vs torch, GB/s."""
-    cols = [("offload GB/s", "tab:blue"), ("disk GB/s", "tab:green"), ("torch GB/s", "tab:gray")]
+    """Grouped bars: per (tier, op), offload vs the baselines it is judged against (the disk's
+    sequential write / read: `vs disk`; for an NVMe-tier save, the disk copy too: `vs copy`,
+    the swap file read while the checkpoint is written) and torch.save / load, GB/s. A row
+    without a figure (the copy of a CPU-tier save) gets no bar, not a zero-height one."""
+    cols = [("offload GB/s", "tab:blue", "offload"), ("disk GB/s", "tab:green", "disk write / read"),
+            ("copy GB/s", "tab:olive", "disk copy (nvme save)"), ("torch GB/s", "tab:gray", "torch.save / load")]
+    cols = [c for c in cols if any(_number(r.get(c[0])) is not None for r in rows)]
     cases = [f"{r['tier']} {r['op']}" for r in rows]
     width = 0.8 / len(cols)
-    for k, (col, color) in enumerate(cols):
-        vals = [_number(r.get(col)) or 0.0 for r in rows]
-        ax.bar([i + (k - 1) * width for i in range(len(rows))], vals, width, label=col, color=color)
+    for k, (col, color, label) in enumerate(cols):
+        at = [(i, v) for i, r in enumerate(rows) if (v := _number(r.get(col))) is not None]
+        ax.bar([i + (k - (len(cols) - 1) / 2) * width for i, _ in at], [v for _, v in at], width,
+               label=label, color=color)
     ax.set_xticks(range(len(rows)), cases)
     ax.set_ylabel("GB/s of optimizer state (median)")
     return "checkpoint save / load bandwidth by optimizer tier"

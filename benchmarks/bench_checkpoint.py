@@ -261,11 +261,13 @@ def run_tier(args: Any, tier: str, params: int, repeats: int) -> list[dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--dir", default="/tmp", help="directory on the disk to test (default /tmp)")
+    p.add_argument("--dir", default=None, help="directory on the disk to test (default: the temp "
+                   "dir, $TMPDIR or /tmp; `python -m benchmarks` points TMPDIR under its --out)")
     p.add_argument("--params", default=None, help="model parameters, e.g. 100M (default 100M; 16M with --quick)")
     p.add_argument("--layers", type=int, default=8, help="units the parameters are split into")
     p.add_argument("--tiers", default="cpu,nvme", help="optimizer tiers to test (nvme when it exists)")
     args = p.parse_args(argv)
+    args.dir = args.dir or tempfile.gettempdir()  # each tier's files go in a folder made and removed in it
     params = parse_count(args.params or ("16M" if args.quick else "100M"))
     repeats = args.repeats or (3 if args.quick else 5)
     info = machine_info(args.dir)

@@ -179,8 +179,9 @@ def rotated_interleave(contenders: dict[str, Callable[[], float]], repeats: int,
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--dir", help="directory for the test file (default: a temp dir in /tmp, "
-                   "which is on the root filesystem here, not tmpfs)")
+    p.add_argument("--dir", help="directory for the test file (default: a fresh folder in the "
+                   "temp dir, $TMPDIR or /tmp, removed at the end; `python -m benchmarks` points "
+                   "TMPDIR under its --out; not a tmpfs)")
     p.add_argument("--size", default=None,
                    help="file size; K/M/G are binary, as in fio (default 4G; --quick 512M)")
     p.add_argument("--block-sizes", default=None,
@@ -199,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     repeats = args.repeats or 3
 
     own_dir = args.dir is None
-    work_dir = tempfile.mkdtemp(prefix="offload-bench-io-", dir="/tmp") if own_dir else args.dir
+    work_dir = tempfile.mkdtemp(prefix="offload-bench-io-") if own_dir else args.dir
     path = os.path.join(work_dir, "bench_io.bin")
     info = machine_info(work_dir)
     info["file_bytes"] = nbytes

@@ -63,6 +63,7 @@ trace, PREFIX-<contender>.json.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -91,6 +92,7 @@ from benchmarks._common import (  # noqa: E402
 from offload.models.gpt import GPT, gpt_batches  # noqa: E402
 from offload.sizes import MiB  # noqa: E402
 from benchmarks.disk_floor import floor_fields  # noqa: E402
+from benchmarks.scratch import Scratch  # noqa: E402
 
 
 def _bytes(tensors) -> int:
@@ -178,7 +180,8 @@ def disk_peak(path: str, nbytes: int, block_size: int, queue_depth: int, threads
     return disk_bandwidth(path, nbytes, block_size, queue_depth, threads, rounds)
 
 
-def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callable[[], float]], dict[str, dict]]:
+def build_contenders(args, make_model, batch, device,
+                     scratch: Scratch) -> tuple[dict[str, Callable[[], float]], dict[str, dict]]:
     contenders: dict[str, Callable[[], float]] = {}
     memory: dict[str, dict] = {}
     io: dict[str, dict] = {}
@@ -279,7 +282,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         nvme = "nvme" in (param_tier, optimizer_tier)
         path = os.path.join(args.nvme_path, name) if nvme else None
         if path:
-            os.makedirs(path, exist_ok=True)
+            scratch.makedirs(path)  # empty once the engine closes: removed at exit
         cfg = Config(
             compute_device=device.type,
             optimizer=OptimizerConfig(lr=lr),
@@ -349,8 +352,7 @@ def build_contenders(args, make_model, batch, device) -> tuple[dict[str, Callabl
         _ensure_group(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         if nvme:
-            path = os.path.join(args.nvme_path, "deepspeed")
-            os.makedirs(path, exist_ok=True)
+            path = scratch.makedirs(os.path.join(args.nvme_path, "deepspeed"))
             offload_param = {"device": "nvme", "nvme_path": path, "pin_memory": device.type == "cuda"}
             offload_optimizer = {"device": "nvme", "nvme_path": path, "pin_memory": device.type == "cuda"}
         else:
@@ -454,8 +456,10 @@ def main() -> None:
     p.add_argument("--no-fsdp2", action="store_true")
     p.add_argument("--no-lora", action="store_true", help="skip the PEFT LoRA rows")
     p.add_argument("--no-nvme", action="store_true", help="skip the NVMe contenders")
-    p.add_argument("--nvme-path", "--dir", dest="nvme_path", default="/tmp/offload-bench-nvme",
-                   help="directory for swap files, on the disk to measure (not a tmpfs)")
+    p.add_argument("--nvme-path", "--dir", dest="nvme_path", default=None,
+                   help="directory for swap files, on the disk to measure (not a tmpfs); default: a "
+                   "fresh folder in the temp dir ($TMPDIR or /tmp; `python -m benchmarks` points TMPDIR "
+                   "under its --out). Either way the folders made for them are removed at exit")
     p.add_argument("--pinned-budget-mb", type=int, default=1024,
                    help="offload.pinned_budget_bytes in MiB (the config default)")
     p.add_argument("--block-size", type=int, default=1 << 20, help="aio block size (bytes)")
@@ -479,8 +483,14 @@ def main() -> None:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
+    # Nothing left in the temp dir (issue #36): the swap folders this run makes go at exit,
+    # and torch's inductor cache folder (made in the temp dir the first time anything imports
+    # torch._dynamo: fused AdamW, FSDP2; nothing here compiles) goes in this run's own folder.
+    scratch = Scratch(prefix="offload-bench-train-")
+    atexit.register(scratch.close)  # at exit, whether the run got to its end or not
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch.default(), "inductor"))
     if not args.no_nvme:
-        os.makedirs(args.nvme_path, exist_ok=True)
+        args.nvme_path = scratch.makedirs(args.nvme_path or os.path.join(scratch.default(), "nvme"))
     info = machine_info(None if args.no_nvme else args.nvme_path)
     print_machine(info)
 
@@ -501,7 +511,7 @@ def main() -> None:
     print(f"engine's Adam: offload.optim.adam_step_flat, native {adam_isa()} kernel; plain PyTorch "
           f"(torch, torch_lora): fp32 parameters, {torch_precision(args.dtype, device).describe()}")
 
-    contenders, memory, io, engines, sched, dropped = build_contenders(args, make_model, batch, device)
+    contenders, memory, io, engines, sched, dropped = build_contenders(args, make_model, batch, device, scratch)
     peak = None
     if io:
         peak_bytes = (args.peak_mb or (256 if args.quick else 1024)) << 20
@@ -607,9 +617,11 @@ def main() -> None:
     for e in engines:
         e.close()  # the engine's swap files go
     # DeepSpeed leaves its swap files behind: remove the directory this script made for it.
+    # (The engines' folders, empty now, and the rest of the scratch go at exit.)
     import shutil
 
-    shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
+    if args.nvme_path:
+        shutil.rmtree(os.path.join(args.nvme_path, "deepspeed"), ignore_errors=True)
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
         "torch_precision": torch_precision(args.dtype, device).describe(),

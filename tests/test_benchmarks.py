@@ -4,6 +4,9 @@ What each pins: the runner runs a benchmark as its own process and writes report
 table), suite.json and the PNG plot (or says plots were skipped when matplotlib is missing:
 never a crash); a benchmark that fails is reported by name with its reason and the exit
 status says so; a plot that cannot be drawn costs the report its picture, not its tables.
+Issue #36: every plot's legend lies outside its data, the checkpoint plot draws the copy an
+NVMe save is judged against, a peer that did not run is named once per table (not in every
+cell), and neither the suite nor bench_train leaves anything in the temp dir.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,17 +27,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def suite(out, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+def suite(out, *args: str, timeout_s: float = 120, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "benchmarks", "--out", str(out), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def test_suite_runs_bench_io_end_to_end_and_writes_report_json_and_plot(tmp_path):
     # 16 MiB file, two block sizes, one round, no DeepSpeed (its JIT build alone takes
     # seconds): the whole path (subprocess, JSON, report, plot) in a few seconds.
+    # TMPDIR is a fresh folder, to see what the run leaves in the temp dir (issue #36).
+    tmp_path, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
     out = suite(tmp_path, "--only", "bench_io", "--extra", "--size", "16M", "--block-sizes",
-                "256K,1M", "--threads", "1", "--repeats", "1", "--no-deepspeed")
+                "256K,1M", "--threads", "1", "--repeats", "1", "--no-deepspeed", env={"TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stdout + out.stderr
     report = (tmp_path / "report.md").read_text()
     assert "## bench_io" in report and "| case | op | block |" in report, report
@@ -45,7 +52,16 @@ def test_suite_runs_bench_io_end_to_end_and_writes_report_json_and_plot(tmp_path
     # issue 22: the ratio legend, the peers that did not run with why, the load average
     assert "ratios: every 'vs X' column is X's time / ours" in report and ">1 means offload is faster" in report
     assert "Peers missing:" in report and "deepspeed: skipped (--no-deepspeed)" in report
-    assert "| nan" not in report and "nanx" not in report and "n/a (" in report
+    assert "| nan" not in report and "nanx" not in report and "n/a when X did not run" in report
+    # issue #36: each peer that did not run is named once, under the table, not in every cell
+    missing = data["results"]["bench_io"]["peers_missing"]
+    assert missing and all(report.count(why) == 1 for why in missing.values()), report
+    # issue #36: the test file lived under --out (the runner's TMPDIR), and nothing is left
+    # in the temp dir nor, besides the results, in --out
+    assert data["results"]["bench_io"]["machine"]["disk_path"].startswith(str(tmp_path) + os.sep)
+    assert list(tmp.iterdir()) == []
+    assert {p.name for p in tmp_path.iterdir()} <= {"bench_io.json", "bench_io.log", "bench_io.png",
+                                                     "report.md", "suite.json"}
     load = data["results"]["bench_io"]["_load"]
     assert load["before"]["cores"] >= 1 and len(load["after"]["load_avg"]) == 3
     assert "Load average (1, 5, 15 min)" in report
@@ -107,11 +123,124 @@ def test_report_warns_when_busy_and_says_why_a_ratio_is_missing(tmp_path):
     text, _ = _report.render({"quick": True, "results": {"bench_x": result}, "failures": {}}, tmp_path)
     assert "**Warning: the machine was busy** before bench_x" in text
     assert "| bench_x | 1.50 / 1.00 / 0.50 | 0.40 / 0.30 / 0.20 | yes |" in text
+    assert "| ours fp32 | 1 | n/a | 1.2 |" in text
     assert "Peers missing: DeepSpeedCPUAdam: deepspeed not installed" in text
-    assert "| ours fp32 | 1 | n/a (DeepSpeedCPUAdam: deepspeed not installed (pip install deepspeed)) | 1.2 |" in text
     quiet_result = {**result, "_load": {"before": quiet, "after": quiet, "busy_before": False}}
     text, _ = _report.render({"quick": True, "results": {"bench_x": quiet_result}, "failures": {}}, tmp_path)
     assert "Warning" not in text  # the negative control
+
+
+def test_report_names_a_peer_that_did_not_run_once_per_table(tmp_path):
+    # issue #36: bench_train's table repeated "n/a (deepspeed not installed ...)" in every
+    # cell of every column whose peer did not run. Now the cells read "n/a" and one line
+    # under the table names each missing peer once, peers with the same reason together.
+    ds = "deepspeed not installed (pip install deepspeed)"
+    names = ["torch", "engine", "engine_stage2", "engine_nvme_opt", "engine_nvme_all"]
+    ratio_peers = {"vs_engine": "engine", "vs_torch": "torch", "vs_fsdp2": "fsdp2", "vs_deepspeed": "deepspeed",
+                   "vs_deepspeed_nvme": "deepspeed_nvme", "vs_nvme_nopf": "engine_nvme_all_nopf"}
+    rows = [{"contender": n, "step_ms": 100.0 + i, "vs_engine": 1.0, "vs_torch": 1.0, "vs_fsdp2": float("nan"),
+             "vs_deepspeed": float("nan"), "vs_deepspeed_nvme": float("nan"), "vs_nvme_nopf": float("nan")}
+            for i, n in enumerate(names)]
+    missing = {"fsdp2": "skipped (--no-fsdp2)", "deepspeed": ds, "deepspeed_stage2": ds, "deepspeed_nvme": ds,
+               "engine_nvme_all_nopf": "skipped (no --compare-prefetch)"}
+    result = {"rows": rows, "peers_missing": missing, "ratio_peers": ratio_peers}
+    text, _ = _report.render({"quick": True, "results": {"bench_train": result}, "failures": {}}, tmp_path)
+    assert text.count(ds) == 1 and text.count("skipped (--no-fsdp2)") == 1, text
+    assert "deepspeed, deepspeed_stage2, deepspeed_nvme: " + ds in text
+    table = [line for line in text.splitlines() if line.startswith("| engine_nvme_opt |")]
+    assert table == ["| engine_nvme_opt | 103 | 1 | 1 | n/a | n/a | n/a | n/a |"]
+    # one line, right under the table: its last row, a blank line, then that line
+    lines = text.splitlines()
+    under = [i for i, line in enumerate(lines) if line.startswith("Peers missing")]
+    assert len(under) == 1 and lines[under[0] - 2].startswith("| engine_nvme_all |") and lines[under[0] - 1] == ""
+
+
+CKPT_ROWS = ROWS + [
+    {"tier": "nvme", "op": "save", "offload GB/s": 0.4, "disk GB/s": 0.8, "copy GB/s": 0.5, "torch GB/s": 0.3},
+    {"tier": "nvme", "op": "load", "offload GB/s": 1.0, "disk GB/s": 3.0, "copy GB/s": None, "torch GB/s": 0.5},
+]
+# One result per plot the report draws, shaped as the benchmarks write them.
+PLOTTED = {
+    "bench_io": {"rows": [{"case": f"{b}/qd32/t2", "op": op, "block": b, "qd": 32, "threads": 2,
+                           "offload GB/s": v, "fio GB/s": v * 0.9, "deepspeed GB/s": v * 0.8}
+                          for b, k in (("256K", 0.8), ("1M", 1.0), ("4M", 0.95))
+                          for op, v in (("write", 6.0 * k), ("read", 2.8 * k))]},
+    "bench_adam": {"rows": [{"params_M": 50, "threads": t, "contender": c, "B/param": b, "Mparam/s": v * t}
+                            for t in (1, 2)
+                            for c, b, v in (("roofline", 28, 1100), ("ours fp32", 28, 960),
+                                            ("ours bf16 moments", 20, 1150), ("torch fused", 28, 1000),
+                                            ("DeepSpeedCPUAdam", 28, 1050))]},
+    "bench_optimizers": {"rows": [{"params_M": 20, "threads": 2, "contender": c, "B/param": 20, "Mparam/s": v}
+                                  for c, v in (("roofline", 1500), ("lion ours fp32", 1400),
+                                               ("lion torch foreach", 300), ("adagrad ours fp32", 1350),
+                                               ("adagrad torch fused", 900))]},
+    "bench_train": {"rows": [{"contender": c, "step_ms": v} for c, v in
+                             (("torch", 120.0), ("engine", 130.0), ("engine_nvme_opt", 160.0),
+                              ("engine_nvme_all", 190.0))]},
+    "bench_checkpoint": {"rows": CKPT_ROWS},
+}
+
+
+def _figures(monkeypatch, tmp_path, results):
+    """render() over `results`, keeping each plot's figure open: {benchmark: figure}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made, real_subplots = [], plt.subplots
+
+    def subplots(*args, **kwargs):
+        fig, ax = real_subplots(*args, **kwargs)
+        made.append(fig)
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    monkeypatch.setattr(plt, "close", lambda *args, **kwargs: None)
+    text, plots = _report.render({"quick": True, "results": results, "failures": {}}, tmp_path)
+    assert "Plot skipped" not in text and list(plots) == [f"{n}.png" for n in results], text
+    return dict(zip(results, made))
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install 'offload[bench]')")
+def test_every_plots_legend_lies_outside_its_data(tmp_path, monkeypatch):
+    # issue #36: the legends covered lines or bars in three of the five PNGs. Now each sits
+    # right of the axes, whole inside the figure (so in the PNG), over no point or bar.
+    figs = _figures(monkeypatch, tmp_path, PLOTTED)
+    with_legend = set()
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        inside = fig.bbox.frozen()
+        title = ax.title.get_window_extent(r)  # narrowed axes must not push the title off the PNG
+        assert inside.x0 <= title.x0 and title.x1 <= inside.x1, name
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        with_legend.add(name)
+        box = legend.get_window_extent(r)
+        assert not box.overlaps(ax.get_window_extent(r)), name  # outside the axes
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, name
+        for line in ax.get_lines():  # its points and segments, in display coordinates
+            pts = line.get_transform().transform(line.get_xydata())
+            on = [a + (b - a) * t for a, b in zip(pts[:-1], pts[1:]) for t in np.linspace(0, 1, 50)]
+            assert not any(box.contains(x, y) for x, y in [*pts, *on]), (name, line.get_label())
+        for patch in ax.patches:
+            assert not box.overlaps(patch.get_window_extent(r)), (name, patch)
+    assert with_legend == {"bench_io", "bench_adam", "bench_optimizers", "bench_checkpoint"}  # bench_train: none
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install 'offload[bench]')")
+def test_checkpoint_plot_draws_the_copy_an_nvme_save_is_judged_against(tmp_path, monkeypatch):
+    # issue #36: bench_checkpoint judges an NVMe-tier save against the disk copy ("vs copy":
+    # the swap file read while the checkpoint is written); the plot drew the disk and torch
+    # but not that copy. Its bar is drawn where the row has one (the nvme save), and only there.
+    ax = _figures(monkeypatch, tmp_path, {"bench_checkpoint": PLOTTED["bench_checkpoint"]})["bench_checkpoint"].axes[0]
+    bars = {c.get_label(): [p.get_height() for p in c] for c in ax.containers}
+    assert bars["disk copy (nvme save)"] == [0.5]
+    assert bars["disk write / read"] == [0.8, 3.0, 0.8, 3.0] and bars["offload"] == [0.5, 1.1, 0.4, 1.0]
+    assert "disk copy (nvme save)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_bench_train_ratio_direction_is_peer_time_over_ours():
@@ -172,12 +301,12 @@ def test_suite_runs_bench_optimizers_with_every_native_row_and_its_targets(tmp_p
         assert (tmp_path / "bench_optimizers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _bench_train(tmp_path, name, *args):
+def _bench_train(tmp_path, name, *args, env=None):
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--quick", "--no-fsdp2",
            "--no-deepspeed", "--no-lora", "--repeats", "2", "--peak-mb", "64", "--json", str(out), *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text()), run.stdout
 
@@ -192,6 +321,7 @@ def test_bench_train_reports_the_step_at_the_disks_speed(tmp_path):
     assert disk["overlap"] > 0 and disk["mixed_GBps"] > 0 and isinstance(disk["direct"], bool)
     assert disk["write_fsync_GBps"] > 0 and disk["write_alloc_GBps"] > 0
     assert not list((tmp_path / "swap").glob("peak*.bin"))  # the probe's files are gone
+    assert not (tmp_path / "swap").exists()  # issue #36: and the folders the run made, empty
     rows = {r["contender"]: r for r in data["rows"]}
     in_memory = rows["engine"]["step_ms"]
     for name in ("engine_nvme_opt", "engine_nvme_all"):
@@ -220,6 +350,19 @@ def test_bench_train_without_nvme_has_no_disk_probe_and_no_floor(tmp_path):
     assert data["disk_peak"] is None and "step at the disk's speed" not in stdout
     assert all(r["read_MiB"] is None and r["step_over_bound"] is None for r in data["rows"])
     assert {"engine_nvme_opt", "engine_nvme_all"} <= set(data["peers_missing"])
+
+
+def test_bench_train_leaves_nothing_in_the_temp_dir(tmp_path):
+    # issue #36: without --nvme-path it put its swap folders in /tmp/offload-bench-nvme and
+    # left them there, empty, with torch's inductor cache folder beside them (made in the temp
+    # dir by the first import of torch._dynamo). Now its scratch is one folder in the temp
+    # dir, gone at exit: TMPDIR, a fresh folder here, is empty after the run.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    data, _ = _bench_train(tmp_path, "tmp", env={"TMPDIR": str(tmp)})
+    assert {"engine_nvme_opt", "engine_nvme_all"} <= {r["contender"] for r in data["rows"]}  # NVMe ran
+    assert data["machine"]["disk_path"].startswith(str(tmp) + os.sep)  # in the temp dir checked
+    assert list(tmp.iterdir()) == []
 
 
 def test_proc_io_counts_odirect_bytes_of_worker_threads(tmp_path):
