@@ -516,3 +516,49 @@ def test_trl_sft_trainer_with_the_mixin_matches_plain_trl(tmp_path) -> None:
         runs[variant] = weights
     bound = Fp32Bound(runs["truth"], {v: runs[v] for v in ("plain", "fused")})
     bound.check(runs["offload"], "TRL SFTTrainer + OffloadTrainerMixin")
+
+
+# -- torchrun on a CPU-only machine without use_cpu (issue #33) --------------------------------------
+
+
+def _without_use_cpu(rank: int, world_size: int) -> dict:
+    import transformers
+    from transformers import TrainingArguments
+
+    from offload.integrations.hf import OffloadTrainer
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.full((8,), i), "labels": torch.full((8,), i)}
+
+    seen: list[list[int]] = []
+
+    class Spy(OffloadTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            seen.append(inputs["input_ids"][:, 0].tolist())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                                                 n_positions=16))
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, report_to=[],
+                                 save_strategy="no", logging_strategy="no", disable_tqdm=True)  # no use_cpu
+        trainer = Spy(model=model, args=args, train_dataset=Batches(), offload_config={"compute_device": "cpu"})
+        trainer.train()
+        return {"seen": seen, "engine world size": trainer.engine.world_size,
+                "args world size": trainer.args.world_size}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only launch (a GPU machine distributes by itself)")
+def test_torchrun_on_a_cpu_machine_without_use_cpu_shards_the_data():
+    """It trained both ranks on the same batches (the engine averaging identical gradients);
+    now use_cpu is set and each rank sees its own share."""
+    r0, r1 = run_distributed(_without_use_cpu, 2, init_group=False)
+    assert r0["engine world size"] == r0["args world size"] == 2
+    flat0 = [i for batch in r0["seen"] for i in batch]
+    flat1 = [i for batch in r1["seen"] for i in batch]
+    assert not set(flat0) & set(flat1), (r0["seen"], r1["seen"])  # disjoint shares of the data

@@ -48,6 +48,7 @@ piece is correct (docs/hf.md has the user's side):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -56,6 +57,8 @@ from transformers import Trainer
 
 import offload
 from offload.integrations.hf.trainer_config import adamw_groups, engine_config
+
+logger = logging.getLogger("offload.hf")
 
 __all__ = ["OffloadTrainer", "OffloadTrainerMixin"]
 
@@ -176,7 +179,15 @@ class OffloadTrainerMixin(_TrainerBase):
                              "python -m offload.plan for what fits")
         self.offload_config = offload_config
         self.engine: Optional[offload.Engine] = None
+        args = _distributed_on_cpu(args)
         super().__init__(model, args, *trainer_args, **kwargs)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.args.world_size:
+            raise ValueError(
+                f"launched as {launched} processes (WORLD_SIZE) but the TrainingArguments see "
+                f"{self.args.world_size}: each rank would train on the same batches. On a machine "
+                "without GPUs pass TrainingArguments(use_cpu=True) (Hugging Face distributes CPU "
+                "processes only then); otherwise check the launcher's environment")
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"OffloadTrainer sees {self.args.n_gpu} GPUs in one process: the engine uses "
@@ -349,6 +360,21 @@ def _check_engine_checkpoint(path: str) -> None:
             "resumes from the checkpoints it saves (save_only_model=False). To start from a "
             "model saved elsewhere, load its weights (offload.integrations.hf.from_pretrained) "
             "and train without resume_from_checkpoint")
+
+
+def _distributed_on_cpu(args: Any) -> Any:
+    """Under torchrun on a machine without a GPU, Hugging Face shards the data across the
+    processes only with `use_cpu=True`; without it every rank trained on the same batches
+    while the engine averaged their gradients (issue #33). The engine runs on the CPU there
+    anyway, so set it (and say so, once)."""
+    if (args is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or getattr(args, "use_cpu", False)
+            or torch.cuda.is_available()):
+        return args
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning("OffloadTrainer: %s processes on a machine without GPUs: setting "
+                       "TrainingArguments(use_cpu=True) so that each trains on its own share of the "
+                       "data", os.environ["WORLD_SIZE"])
+    return dataclasses.replace(args, use_cpu=True)
 
 
 def _without_deepspeed(args: Any) -> Any:
