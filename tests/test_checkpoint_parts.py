@@ -102,3 +102,41 @@ def test_deepspeed_engine_passes_the_flags(tmp_path):
     got = ds.engine.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     ds.engine.close()
+
+
+def test_deepspeed_engine_without_latest_returns_none_as_deepspeed(tmp_path, caplog):
+    ds = DeepSpeedEngine.__new__(DeepSpeedEngine)
+    ds.__dict__["engine"] = engine_of(config("cpu", tmp_path))
+    with caplog.at_level("WARNING"):
+        assert ds.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+    assert "Unable to find latest file" in caplog.text
+    ds.engine.close()
+
+
+def _different_tags(rank: int, world_size: int, mode: str, path: str):
+    import warnings
+
+    cfg = dataclasses.replace(make_config(), checkpoint_tag_validation=mode)
+    engine = engine_of(cfg, scheduler=False)
+    train(engine, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            saved = engine.save_checkpoint(path, tag=f"step1-rank{rank}")
+        except ValueError as exc:
+            saved = f"error: {exc}"
+    engine.close()
+    return saved, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("mode", ["Warn", "Fail"])
+def test_different_tags_across_ranks_follow_tag_validation(tmp_path, mode):
+    from tests.conftest import run_distributed
+
+    out = run_distributed(_different_tags, 2, mode, str(tmp_path))
+    if mode == "Fail":
+        assert all(s.startswith("error: save_checkpoint: the ranks passed different tags") for s, _ in out)
+        assert not (tmp_path / "latest").exists()
+    else:
+        assert out[0][0] == out[1][0] == str(tmp_path / "step1-rank0")
+        assert any("different tags" in m for m in out[0][1])

@@ -505,3 +505,21 @@ def test_a_small_sub_group_size_is_not_a_tiny_pinned_budget(tmp_path):
     assert cfg.offload.pinned_budget_bytes >= OffloadConfig.pinned_budget_bytes
     engine = offload.initialize(TinyGPT(), cfg)
     engine.close()
+
+
+def test_checkpoint_tag_validation_is_read():
+    import warnings
+
+    from offload.config import ConfigError, load_config
+
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(base).checkpoint_tag_validation == "Warn"  # DeepSpeed's default
+        assert load_config({**base, "checkpoint": {"tag_validation": "FAIL"}}).checkpoint_tag_validation == "Fail"
+        cfg = load_config({**base, "checkpoint": {"tag_validation": "Ignore", "use_node_local_storage": True}})
+    assert cfg.checkpoint_tag_validation == "Ignore" and "checkpoint.use_node_local_storage" in cfg.ignored_keys
+    with pytest.raises(ConfigError, match="checkpoint.tag_validation"):
+        load_config({**base, "checkpoint": {"tag_validation": "Maybe"}})
+    with pytest.raises(ConfigError, match="load_universal"):
+        load_config({**base, "checkpoint": {"load_universal": True}})

@@ -37,6 +37,7 @@ import io
 import os
 import random
 import zlib
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
@@ -73,6 +74,7 @@ def save_checkpoint(
         )
     sharded.sync_device()
     rank = sharded.rank
+    tag = _validated_tag(sharded, tag)
 
     # 1. Rank 0 names the temporary directory (and clears what killed saves left); every
     #    rank makes it under its own save_dir, so node-local directories work as well as a
@@ -355,6 +357,28 @@ def rng_state() -> dict[str, Any]:
 
 
 # -- collectives (no-ops at world size 1) -------------------------------------------------------
+
+
+def _validated_tag(sharded: ShardedState, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Ranks that passed others (a tag built from a
+    rank-local counter, a clock) are handled as config.checkpoint_tag_validation says
+    (DeepSpeed's checkpoint.tag_validation): a warning, silence, or an error on every rank
+    before anything is written. One small gather per save."""
+    if sharded.world_size == 1:
+        return tag
+    tags = _gather(sharded, tag)
+    if len(set(tags)) == 1:
+        return tag
+    mode = sharded.config.checkpoint_tag_validation
+    which = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if mode == "Fail":
+        raise ValueError(f"save_checkpoint: the ranks passed different tags ({which}); pass the same "
+                         "tag on every rank (checkpoint_tag_validation 'Fail': nothing was written)")
+    if mode == "Warn" and sharded.rank == 0:
+        warnings.warn(f"save_checkpoint: the ranks passed different tags ({which}); saving under rank "
+                      f"0's {tags[0]!r} (set checkpoint_tag_validation to 'Ignore' or 'Fail')",
+                      RuntimeWarning, stacklevel=3)
+    return tags[0]
 
 
 def _broadcast(sharded: ShardedState, obj: Any) -> Any:

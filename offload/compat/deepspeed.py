@@ -438,6 +438,14 @@ class DeepSpeedEngine:
         DeepSpeed's keep (`offload.checkpoint.load`)."""
         _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
                             custom_load_fn=(custom_load_fn, None))
+        latest = os.path.join(os.fspath(load_dir), "latest")
+        if tag is None and not os.path.isfile(latest):
+            # DeepSpeed's behaviour: a warning and (None, None), nothing loaded (a first run
+            # that "resumes" from an empty directory goes on from scratch).
+            logger.warning("Unable to find latest file at %s, if trying to load latest checkpoint please "
+                           "ensure this file exists or pass an explicit checkpoint tag when loading a "
+                           "checkpoint.", latest)
+            return None, None
         return self.engine.load_checkpoint(os.fspath(load_dir), tag=None if tag is None else str(tag),
                                            load_optimizer_states=load_optimizer_states,
                                            load_lr_scheduler_states=load_lr_scheduler_states,

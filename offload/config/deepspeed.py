@@ -149,6 +149,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _logging(t)
     _activation_checkpointing(t)
     _offload_prefetch(t)
+    _checkpoint(t)
     try:
         sections = t.sections
         config = Config(offload=OffloadConfig(**sections["offload"]),
@@ -549,6 +550,27 @@ def _aio(t: Translation) -> None:
                       ("use_gds", "offload has no GPUDirect Storage path")):
         if name in aio:
             t.ignore(f"aio.{name}", why)
+
+
+def _checkpoint(t: Translation) -> None:
+    """checkpoint: {tag_validation} -> checkpoint_tag_validation (DeepSpeed reads it in any case)."""
+    sec = read_section("checkpoint", t.ds.get("checkpoint"),
+                       ("tag_validation", "use_node_local_storage", "parallel_write", "load_universal"))
+    if "tag_validation" in sec:
+        value = sec["tag_validation"]
+        choices = {"warn": "Warn", "ignore": "Ignore", "fail": "Fail"}
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ConfigError("checkpoint.tag_validation", f"= {value!r}, which is not one of Warn, Ignore, Fail",
+                              "set it to Warn (DeepSpeed's default), Ignore or Fail")
+        t.set("top.checkpoint_tag_validation", choices[value.lower()], "checkpoint.tag_validation")
+    if sec.get("load_universal"):
+        raise ConfigError("checkpoint.load_universal", "= true: offload reads its own checkpoints (at any "
+                          "world size), not DeepSpeed's universal ones", "remove it")
+    for name, why in (("use_node_local_storage", "offload's checkpoints work in node-local directories "
+                                                 "as they are (docs/checkpoint.md)"),
+                      ("parallel_write", "every rank writes its own files in parallel")):
+        if name in sec:
+            t.ignore(f"checkpoint.{name}", why)
 
 
 def _logging(t: Translation) -> None:

@@ -29,7 +29,7 @@ TOP_MAPPED = frozenset({
     "zero_optimization", "aio", "data_types", "gradient_allreduce_op", "torch_autocast",
     "managed_gradient_accumulation", "sequence_parallel_size", "hybrid_engine",
     "data_efficiency", "tensor_parallel", "steps_per_print", "wall_clock_breakdown",
-    "tensorboard", "wandb", "csv_monitor", "activation_checkpointing",
+    "tensorboard", "wandb", "csv_monitor", "activation_checkpointing", "checkpoint",
 })
 
 TOP_IGNORED = {
@@ -52,7 +52,6 @@ TOP_IGNORED = {
     "gradient_predivide_factor": "where the 1/world_size division happens; the mean is the same",
     "communication_data_type": "offload reduce-scatters gradients in its own dtype",
     "seq_parallel_communication_data_type": "offload has no sequence parallelism",
-    "checkpoint": "checkpoint I/O options of DeepSpeed's engine",
     "dataloader_drop_last": "only offload.compat.deepspeed.initialize builds a data loader (and honours it); offload.initialize builds none",
     "disable_python_gc": "runtime detail",
     "compile": "DeepSpeed's compile backend",

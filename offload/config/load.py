@@ -111,7 +111,7 @@ def read_config_file(path: Union[str, os.PathLike]) -> Mapping[str, Any]:
 
 _OFFLOAD_ONLY_TOP_KEYS = frozenset({"offload", "precision", "timeline", "compute_device",
                                     "cpu_adam_threads", "nonfinite_loss", "collective_timeout_s",
-                                    "logging", "monitors", "zero_stage"})
+                                    "logging", "monitors", "zero_stage", "checkpoint_tag_validation"})
 """Top-level keys of offload's format that DeepSpeed does not have. `unit_modules`,
 `leaf_modules` and `prefetch` are offload's too, but a DeepSpeed config may carry them (the
 translation reads them: offload/config/deepspeed.py), so they mark neither format."""

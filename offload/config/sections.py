@@ -444,6 +444,10 @@ class Config(Section):
     anything is applied; 'off': no check (NaN then reaches every weight). The check is one
     scalar per micro-batch (and a one-element all-reduce at world size > 1). fp16 leaves
     it to the loss scaler."""
+    checkpoint_tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
+    """What `save_checkpoint` does when the ranks pass different tags (DeepSpeed's
+    checkpoint.tag_validation): 'Warn' (rank 0's tag is used, a warning names the others),
+    'Ignore' (rank 0's, silently), 'Fail' (an error on every rank before anything is written)."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before the process group gives up
     (torch.distributed's timeout), when the engine starts the group itself."""
