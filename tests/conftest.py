@@ -158,3 +158,22 @@ def check_torchrun_exit(proc: "subprocess.CompletedProcess", results_complete: b
     assert proc.returncode == 0 and results_complete, (
         f"{what}: exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     )
+
+
+# -- hypothesis profiles (tests/test_generated_structures.py) ---------------------------------
+# `ci` (the default): the same examples on every run (derandomized), no example database,
+# no deadline (a spawned world-size-2 example takes seconds). `long`: fresh random examples
+# on every run; the tests scale their example counts by the profile
+# (OFFLOAD_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_generated_structures.py).
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # the test extra installs it; without it only the generated tests fail to import
+    pass
+else:
+    _slow_ok = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+    _hypothesis_settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                                          print_blob=True, suppress_health_check=_slow_ok)
+    _hypothesis_settings.register_profile("long", derandomize=False, database=None, deadline=None,
+                                          print_blob=True, suppress_health_check=_slow_ok)
+    _hypothesis_settings.load_profile(os.environ.get("OFFLOAD_HYPOTHESIS_PROFILE", "ci"))
