@@ -28,9 +28,7 @@ import argparse
 import datetime
 import logging
 import os
-import types
-import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,15 +36,9 @@ from torch import nn
 
 import offload
 from offload.compat.deepspeed_checkpointing import checkpointing
-from offload.compat.deepspeed_leaf import (
-    get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
-)
 from offload.config import Config, load_config, read_config_file
 from offload.dtypes import DTYPES
 from offload.units.collectives import select_local_gpu, uses_nccl
-
-if TYPE_CHECKING:  # pragma: no cover
-    from offload.engine import Engine
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
            "utils", "is_compile_supported"]
@@ -495,164 +487,5 @@ def _refuse_non_default(method: str, **given: tuple[Any, Any]) -> None:
             )
 
 
-# --------------------------------------------------------------------------------------
-# deepspeed.zero
-# --------------------------------------------------------------------------------------
-
-
-class _ZeroInit:
-    """`deepspeed.zero.Init(config_dict_or_path=...)` -> `offload.init(config)`: the
-    construction inside is recorded and each parameter computed into its shard by
-    `initialize`, bit-identical to an eager construction (offload/units/deferred.py)."""
-
-    _IGNORED = ("data_parallel_group", "mem_efficient_linear", "remote_device", "pin_memory",
-                "dtype", "sequence_data_parallel_group", "param_swapper")
-
-    def __init__(self, module: Optional[nn.Module] = None, config_dict_or_path: Any = None,
-                 config: Any = None, enabled: bool = True, mpu: Any = None, **kwargs: Any) -> None:
-        if module is not None:
-            raise NotImplementedError("zero.Init(module=...) partitions an existing model; with "
-                                      "offload, pass the model to initialize() directly")
-        if mpu is not None:
-            raise NotImplementedError("zero.Init(mpu=...): offload has no model parallelism")
-        unknown = [k for k in kwargs if k not in self._IGNORED]
-        if unknown:
-            raise TypeError(f"zero.Init got unexpected arguments {unknown}")
-        set_ = [k for k, v in kwargs.items() if v not in (None, False, True)]
-        if set_:
-            warnings.warn(f"zero.Init: {set_} are not used by offload (the config's offload "
-                          "section decides placement and dtype)", stacklevel=2)
-        self._ctx = offload.init(config_dict_or_path or config) if enabled else None
-
-    def __enter__(self) -> "_ZeroInit":
-        if self._ctx is not None:
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-
-def _live_engines() -> list["Engine"]:
-    """The engines of this process not closed yet (each built whole: an engine joins the
-    registry at the end of its __init__)."""
-    from offload.engine import Engine
-    from offload.runtime.lifecycle import LIVE_ENGINES
-
-    return [e for e in list(LIVE_ENGINES) if isinstance(e, Engine)]
-
-
-class _GatheredParameters:
-    """`deepspeed.zero.GatheredParameters(params, modifier_rank=None)` -> `engine.gathered(params,
-    modifier_rank)` of the live engine that owns the parameters (a collective: every rank
-    enters it). As in DeepSpeed, parameters no engine owns are ignored (none: a no-op), and
-    `enabled=False` is a no-op. `fwd_module` registers external parameters in DeepSpeed, which
-    offload has no need of (a unit owns every parameter its module holds): accepted, unused."""
-
-    def __init__(self, params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
-                 enabled: bool = True) -> None:
-
-        self._ctx: Any = None
-        if not enabled or params is None:
-            return
-        items = [params] if isinstance(params, torch.Tensor) else list(params)
-        owners = []
-        for engine in _live_engines():
-            mine = [p for p in items if engine.gathering.owns(p)]
-            if mine:
-                owners.append((engine, mine))
-        if len(owners) > 1:
-            raise ValueError("zero.GatheredParameters: the parameters belong to more than one engine; "
-                             "gather each engine's parameters in its own context")
-        if owners:
-            engine, mine = owners[0]
-            self._ctx = engine.gathered(mine, modifier_rank=modifier_rank)
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-
-zero = types.SimpleNamespace(Init=_ZeroInit, GatheredParameters=_GatheredParameters)
-"""`deepspeed.zero`: `Init` (-> offload.init), `GatheredParameters` (-> `engine.gathered`)."""
-
-
-# --------------------------------------------------------------------------------------
-# deepspeed.utils
-# --------------------------------------------------------------------------------------
-
-
-def _safe_get_full_grad(param: nn.Parameter) -> Optional[torch.Tensor]:
-    """`deepspeed.utils.safe_get_full_grad(param)` -> `engine.full_grad(param)` of the live
-    engine that owns `param` (a collective: every rank calls it); `param.grad` for a
-    parameter no engine owns, as DeepSpeed returns for a plain one."""
-
-    for engine in _live_engines():
-        if engine.grads.owns(param):
-            return engine.full_grad(param)
-    return param.grad
-
-
-def _owner(param: nn.Parameter, what: str) -> "Engine":
-    for engine in _live_engines():
-        if engine.grads.owns(param):
-            return engine
-    raise ValueError(f"deepspeed.utils.{what}: the parameter belongs to no live offload engine "
-                     "(pass one of engine.parameters() of an engine not closed)")
-
-
-def _safe_get_full_fp32_param(param: nn.Parameter) -> Optional[torch.Tensor]:
-    """The parameter's whole fp32 master (a collective); None when frozen."""
-    return _owner(param, "safe_get_full_fp32_param").param_state.full(param, "fp32")
-
-
-def _safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
-    _owner(param, "safe_set_full_fp32_param").param_state.set_full(param, value, "fp32")
-
-
-def _safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    """The parameter's whole optimizer state `optim_state_key` ("exp_avg", "exp_avg_sq")."""
-    return _owner(param, "safe_get_full_optimizer_state").param_state.full(param, optim_state_key)
-
-
-def _safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    _owner(param, "safe_set_full_optimizer_state").param_state.set_full(param, value, optim_state_key)
-
-
-def _safe_get_local_fp32_param(param: nn.Parameter) -> Optional[torch.Tensor]:
-    """This rank's part of the fp32 master (1-D), or None."""
-    return _owner(param, "safe_get_local_fp32_param").param_state.local(param, "fp32")
-
-
-def _safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
-    _owner(param, "safe_set_local_fp32_param").param_state.set_local(param, value, "fp32")
-
-
-def _safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    return _owner(param, "safe_get_local_optimizer_state").param_state.local(param, optim_state_key)
-
-
-def _safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    _owner(param, "safe_set_local_optimizer_state").param_state.set_local(param, value, optim_state_key)
-
-
-utils = types.SimpleNamespace(safe_get_full_grad=_safe_get_full_grad,
-                              safe_get_full_fp32_param=_safe_get_full_fp32_param,
-                              safe_set_full_fp32_param=_safe_set_full_fp32_param,
-                              safe_get_full_optimizer_state=_safe_get_full_optimizer_state,
-                              safe_set_full_optimizer_state=_safe_set_full_optimizer_state,
-                              safe_get_local_fp32_param=_safe_get_local_fp32_param,
-                              safe_set_local_fp32_param=_safe_set_local_fp32_param,
-                              safe_get_local_optimizer_state=_safe_get_local_optimizer_state,
-                              safe_set_local_optimizer_state=_safe_set_local_optimizer_state,
-                              set_z3_leaf_modules=set_z3_leaf_modules,
-                              unset_z3_leaf_modules=unset_z3_leaf_modules, get_z3_leaf_modules=get_z3_leaf_modules,
-                              z3_leaf_module=z3_leaf_module)
-"""`deepspeed.utils`: `safe_get_full_grad` (-> `engine.full_grad`), the `safe_get/set_full/local_*`
-fp32-parameter and optimizer-state accessors (-> `engine.param_state`), the z3 leaf marks."""
-
+from offload.compat.deepspeed_utils import utils  # noqa: E402 - the documented path: offload.compat.deepspeed.utils
+from offload.compat.deepspeed_zero import zero  # noqa: E402 - offload.compat.deepspeed.zero

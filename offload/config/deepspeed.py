@@ -48,6 +48,7 @@ from offload.config.deepspeed_keys import (
     only_off,
     read_section,
 )
+from offload.config.deepspeed_io import translate_aio, translate_checkpoint, translate_prefetch
 from offload.config.deepspeed_zero import translate_zero
 from offload.config.sections import (
     SCHEDULER_PARAMS,
@@ -76,8 +77,6 @@ _FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss
               "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 _BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "check_overflow",
               "bf16_master_weights_and_grads", "bf16_optimizer_states")
-_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
-             "overlap_events", "use_gds")
 _MONITOR_KEYS = {"tensorboard": ("tensorboard", ("enabled", "output_path", "job_name")),
                  "csv_monitor": ("csv", ("enabled", "output_path", "job_name")),
                  "wandb": ("wandb", ("enabled", "group", "team", "project"))}
@@ -145,11 +144,11 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _optimizer(t)
     scheduler = _scheduler(t)
     _batch(t, _world_size_now() if world_size is None else world_size)
-    _aio(t)
+    translate_aio(t)
     _logging(t)
     _activation_checkpointing(t)
-    _offload_prefetch(t)
-    _checkpoint(t)
+    translate_prefetch(t)
+    translate_checkpoint(t)
     try:
         sections = t.sections
         config = Config(offload=OffloadConfig(**sections["offload"]),
@@ -182,15 +181,6 @@ OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules", "prefetch")
 the unit choice, and offload's `prefetch` section (e.g. `"prefetch": {"optimizer_in_backward":
 false}`, the fix for reading gradients between backward and step), whose keys win over what
 the translation derived from `zero_optimization`."""
-
-
-def _offload_prefetch(t: Translation) -> None:
-    """A DeepSpeed config's top-level `prefetch`: offload's own section, applied last."""
-    import dataclasses
-
-    sec = read_section("prefetch", t.ds.get("prefetch"), [f.name for f in dataclasses.fields(PrefetchConfig)])
-    for key, value in sec.items():
-        t.set(f"prefetch.{key}", value, f"prefetch.{key}")
 
 
 _DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")
@@ -532,45 +522,6 @@ def _batch(t: Translation, world: int) -> None:
         t.set("train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu")
     if ds.get("gradient_clipping") is not None:
         t.set("gradient_clipping", ds["gradient_clipping"], "gradient_clipping")
-
-
-def _aio(t: Translation) -> None:
-    aio = read_section("aio", t.ds.get("aio"), _AIO_KEYS)
-    if "intra_op_parallelism" in aio and "thread_count" in aio:
-        raise ConfigError("aio.thread_count", "and aio.intra_op_parallelism (its newer name) are both "
-                          "given", "keep only aio.intra_op_parallelism")
-    # Keys left out keep offload's defaults, not DeepSpeed's (queue_depth 8, one thread):
-    # they tune speed only, and offload's are chosen for its own I/O engine.
-    for ds_name, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
-                          ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
-        if ds_name in aio:
-            t.set(f"aio.{ours}", aio[ds_name], f"aio.{ds_name}")
-    for name, why in (("single_submit", "offload's I/O engine chooses its own submission batching"),
-                      ("overlap_events", "offload's I/O engine always overlaps completions"),
-                      ("use_gds", "offload has no GPUDirect Storage path")):
-        if name in aio:
-            t.ignore(f"aio.{name}", why)
-
-
-def _checkpoint(t: Translation) -> None:
-    """checkpoint: {tag_validation} -> checkpoint_tag_validation (DeepSpeed reads it in any case)."""
-    sec = read_section("checkpoint", t.ds.get("checkpoint"),
-                       ("tag_validation", "use_node_local_storage", "parallel_write", "load_universal"))
-    if "tag_validation" in sec:
-        value = sec["tag_validation"]
-        choices = {"warn": "Warn", "ignore": "Ignore", "fail": "Fail"}
-        if not isinstance(value, str) or value.lower() not in choices:
-            raise ConfigError("checkpoint.tag_validation", f"= {value!r}, which is not one of Warn, Ignore, Fail",
-                              "set it to Warn (DeepSpeed's default), Ignore or Fail")
-        t.set("top.checkpoint_tag_validation", choices[value.lower()], "checkpoint.tag_validation")
-    if sec.get("load_universal"):
-        raise ConfigError("checkpoint.load_universal", "= true: offload reads its own checkpoints (at any "
-                          "world size), not DeepSpeed's universal ones", "remove it")
-    for name, why in (("use_node_local_storage", "offload's checkpoints work in node-local directories "
-                                                 "as they are (docs/checkpoint.md)"),
-                      ("parallel_write", "every rank writes its own files in parallel")):
-        if name in sec:
-            t.ignore(f"checkpoint.{name}", why)
 
 
 def _logging(t: Translation) -> None:
