@@ -46,6 +46,7 @@ from offload.runtime.lifecycle import (
     forward_of_a_closed_model,
     released_parameters,
     remove_hooks,
+    take_over,
 )
 from offload.runtime.monitors import check_monitors
 from offload.runtime.optimizer_step import StepMode, StepPolicy
@@ -85,6 +86,7 @@ def initialize(
         None with `config.scheduler` set builds that schedule.
     """
     with suspended():  # inside an open offload.init the engine's own tensors are real
+        take_over(model)  # a model a live engine of this process holds (a notebook re-run)
         return Engine(model, load_config(config), optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
@@ -554,9 +556,9 @@ class Engine:
 
     def close(self) -> None:
         """Remove the hooks; finish every collective in flight; wait for NVMe writes, stop
-        the I/O workers and delete this rank's swap files; destroy the process group if this
-        engine started it. Idempotent; also what `with initialize(...) as engine:` does on
-        exit."""
+        the I/O workers and delete this rank's swap files; a process group offload started stays
+        for the next engine (destroyed at exit). Idempotent; also what `with initialize(...) as
+        engine:` does on exit."""
         LIVE_ENGINES.discard(self)
         self._at_exit.detach()
         if getattr(self, "policy", None) is not None:  # the worker's updates land first
@@ -576,12 +578,9 @@ class Engine:
         if self._close_nvme is not None:
             self._close_nvme()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():
-            # Every rank leaves together: gloo aborts a process whose peer tears its
-            # connections down while it is still tearing down its own. The barrier's work
-            # holds the works before it: settle again before the group goes.
-            _dist.all_reduce_host(torch.zeros(1), "sum", self.pg, self.device)  # NCCL: on the GPU
-            _dist.settle_collectives()
-            dist.destroy_process_group()
+            # Every rank leaves the engine together; the group stays for the next engine
+            # ([Note: the group offload starts] in offload/units/collectives.py).
+            _dist.leave_together(self.pg, self.device)
 
     def drain(self) -> None:
         """Wait for every collective this engine issued asynchronously (gathers issued ahead,

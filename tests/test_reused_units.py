@@ -259,37 +259,56 @@ def test_embeddings_called_outside_the_forward_world_size_2(tmp_path):
     embeds_bound().check(out[0], "embeddings outside the forward ws2")
 
 
-# -- every structure above at stages 1 and 2, and in bf16 (issue #29) --------------------------------
+# -- every structure above (and several backward passes per step) at stages 1 and 2, and in bf16 ----
 # One spawn trains the whole matrix on both ranks (a spawn costs seconds, a tiny run
 # milliseconds): each structure at stage 1 and 2 (fp32, the update in backward and, with
 # accumulation, at step()) and at stage 3 in bf16 (the update in backward and at step()).
 
 STRUCTURES = {"reused unit": (model, batches), "returned parameter": (returns_model, batches),
-              "embeddings outside": (embeds_model, token_batches)}
-MATRIX = [(stage, "fp32", gas) for stage in (1, 2) for gas in (1, 2)] + [(3, "bf16", 1), (3, "bf16", 2)]
+              "embeddings outside": (embeds_model, token_batches),
+              # item 6: each micro-batch in two halves, each half's backward before one step()
+              "two backward per step": (model, batches)}
+MATRIX = [(stage, "fp32", gas) for stage in (1, 2) for gas in (1, 2)] + [(3, "bf16", 1), (3, "bf16", 2)] \
+    + [(3, "nvme", 1), (3, "nvme", 2)]
+"""(stage, dtype, gas); dtype "nvme": fp32 with both tiers on NVMe (stage 3)."""
 
 
-def _train_structure(kind: str, rank: int, world_size: int, stage: int, dtype: str, gas: int) -> dict:
+def combos(kind: str) -> list[tuple[int, str, int]]:
+    """Two backward passes per step accumulate where a step's gradients are held: with
+    accumulation (a CPU run at gas 1 keeps transient shards and refuses the second pass,
+    tests/test_multi_backward.py)."""
+    return [c for c in MATRIX if kind != "two backward per step" or c[2] > 1]
+
+
+def _train_structure(kind: str, rank: int, world_size: int, stage: int, dtype: str, gas: int,
+                     path: str = "") -> dict:
     make, make_batches = STRUCTURES[kind]
     m = make()
-    engine = offload.initialize(m, make_config(dtype=dtype, gas=gas, zero_stage=stage))
+    if dtype == "nvme":
+        cfg = tier_config(rank, gas, 0.0, "nvme", f"{path}/{kind.replace(' ', '_')}-gas{gas}")
+    else:
+        cfg = make_config(dtype=dtype, gas=gas, zero_stage=stage)
+    engine = offload.initialize(m, cfg)
     for x, y in make_batches():
         n = x.shape[0] // world_size
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         if kind == "embeddings outside":
-            loss = engine(inputs_embeds=m.get_input_embeddings()(x), y=y)
+            engine.backward(engine(inputs_embeds=m.get_input_embeddings()(x), y=y))
+        elif kind == "two backward per step":
+            h = x.shape[0] // 2  # the mean over the share: two half-means, halved
+            engine.backward(engine(x[:h], y[:h]) / 2)
+            engine.backward(engine(x[h:], y[h:]) / 2)
         else:
-            loss = engine(x, y)
-        engine.backward(loss)
+            engine.backward(engine(x, y))
         engine.step()
     sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
     engine.close()
     return sd
 
 
-def _train_matrix(rank: int, world_size: int) -> dict:
-    return {(kind, *combo): _train_structure(kind, rank, world_size, *combo)
-            for kind in STRUCTURES for combo in MATRIX}
+def _train_matrix(rank: int, world_size: int, path: str) -> dict:
+    return {(kind, *combo): _train_structure(kind, rank, world_size, *combo, path=path)
+            for kind in STRUCTURES for combo in combos(kind)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,19 +330,18 @@ def _check(kind: str, stage: int, dtype: str, gas: int, sd: dict, what: str) -> 
 
 
 @pytest.fixture(scope="module")
-def matrix_ws2():
-    out = run_distributed(_train_matrix, 2)
+def matrix_ws2(tmp_path_factory):
+    out = run_distributed(_train_matrix, 2, str(tmp_path_factory.mktemp("swap")))
     return out[0]
 
 
-@pytest.mark.parametrize("kind", list(STRUCTURES))
-@pytest.mark.parametrize("stage,dtype,gas", MATRIX)
+@pytest.mark.parametrize("kind,stage,dtype,gas", [(k, *c) for k in STRUCTURES for c in combos(k)])
 def test_structure_world_size_2_stages_and_bf16(matrix_ws2, kind, stage, dtype, gas):
     _check(kind, stage, dtype, gas, matrix_ws2[(kind, stage, dtype, gas)], f"{kind} ws2 stage {stage} {dtype} gas{gas}")
 
 
-@pytest.mark.parametrize("kind", list(STRUCTURES))
-@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("kind,gas", [(k, g) for k in STRUCTURES for g in (1, 2)
+                                      if k != "two backward per step" or g > 1])
 def test_structure_world_size_1_bf16(kind, gas):
     _check(kind, 3, "bf16", gas, _train_structure(kind, 0, 1, 3, "bf16", gas), f"{kind} ws1 bf16 gas{gas}")
 

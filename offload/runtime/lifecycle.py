@@ -8,6 +8,7 @@ concern; nothing here imports the engine (it holds engines only weakly, as objec
 from __future__ import annotations
 
 import enum
+import logging
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -16,6 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.devices import same_device
+
+logger = logging.getLogger("offload.engine")
 
 __all__ = ["EngineState"]
 
@@ -57,6 +60,38 @@ def drain_at_exit(engine: Drains) -> weakref.finalize:
             pass
 
     return weakref.finalize(engine, at_exit)  # atexit=True: run at exit while the engine lives
+
+
+class Holds(Protocol):
+    """An engine, as a re-run `initialize` of its model sees it."""
+
+    module: nn.Module
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def take_over(model: nn.Module) -> bool:
+    """`initialize(model, ...)` while a live engine of this process holds `model` (a notebook
+    cell run again): that engine hands the model back with its trained fp32 weights and
+    closes (its swap files go, its lock is released), and the new engine builds from them.
+    Every rank re-runs `initialize`, so the gather in `full_state_dict` is matched. Returns
+    whether an engine was taken over. Needs the model's fp32 weights in host memory once."""
+    held: list[Holds] = [e for e in list(LIVE_ENGINES) if e.module is model]  # built engines only
+    if not held:
+        return False
+    engine = held[0]
+    weights = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            p.data = weights[name]  # fp32, real memory (an NVMe tier's close left none); tied: once each
+    logger.warning("offload.initialize: this model was held by a live engine of this process; that "
+                   "engine was closed and its weights taken over (close() an engine you are done with)")
+    return True
 
 
 class EngineState(enum.Enum):
@@ -114,6 +149,8 @@ def check_weights_present(model: nn.Module) -> None:
 
 
 def forward_of_a_closed_model(module: nn.Module, args: Any) -> None:
+    if any(e.module is module for e in list(LIVE_ENGINES)):
+        return  # a new engine holds the model now (`take_over`): its units are its own
     empty = released_parameters(module)
     if empty:
         raise RuntimeError(

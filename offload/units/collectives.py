@@ -11,6 +11,7 @@ all: a single plain `python train.py` needs no launcher.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import logging
@@ -67,7 +68,8 @@ class ProcessGroupInfo:
     without a group. Compare it through `nccl`, never to a name: a group the user started
     without a backend is NCCL on CUDA yet is not called "nccl" (issue #30, F10)."""
     started_here: bool
-    """True when `setup_process_group` created the group (and so may destroy it)."""
+    """True when the group is offload's: `setup_process_group` created it, for this engine or
+    an earlier one of the process ([Note: the group offload starts])."""
 
     @property
     def nccl(self) -> bool:
@@ -99,7 +101,7 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
             world_size=dist.get_world_size(),
             group=dist.group.WORLD,
             backend=_default_group_backend(),
-            started_here=False,
+            started_here=_OWNED[0] is dist.group.WORLD,
         )
     present = [k for k in _TORCHRUN_ENV if k in os.environ]
     if not present:
@@ -118,6 +120,9 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
     dist.init_process_group(
         backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
     )
+    if _OWNED[0] is None:
+        atexit.register(_leave_owned_group)
+    _OWNED[0] = dist.group.WORLD
     return ProcessGroupInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -125,6 +130,42 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
         backend=_default_group_backend(),
         started_here=True,
     )
+
+
+# [Note: the group offload starts]
+# An engine launched by torchrun with no process group starts the default group from the
+# environment. It is kept when the engine closes, for the next engine of the process (a
+# notebook, a script that trains two models in turn): destroying it and starting it again
+# on the same MASTER_PORT raced the store's teardown and stalled one rank in
+# init_process_group (6 of 8 runs hung). It goes at interpreter exit, every rank together
+# (a barrier first: gloo aborts a process whose peer tears its connections down while it is
+# still tearing down its own), unless the user destroyed it already. A group the user
+# started is never destroyed by offload.
+_OWNED: list[Any] = [None]
+"""The default group offload started (its `dist.group.WORLD`), while it lives."""
+
+
+def leave_together(pg: ProcessGroupInfo, device: torch.device) -> None:
+    """Every rank of `pg` leaves its current work at once: a barrier (an all-reduce: NCCL on
+    the GPU), then the collectives settle ([Note: collective tensors at exit]). Called by
+    `Engine.close` and at exit."""
+    all_reduce_host(torch.zeros(1), "sum", pg, device)
+    settle_collectives()
+
+
+def _leave_owned_group() -> None:
+    """At exit: destroy the group offload started, if it is still there."""
+    if _OWNED[0] is None or not (dist.is_available() and dist.is_initialized()) or _OWNED[0] is not dist.group.WORLD:
+        return
+    try:
+        backend = _default_group_backend()
+        device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(backend) else torch.device("cpu")
+        pg = ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, backend, True)
+        leave_together(pg, device)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    _OWNED[0] = None
 
 
 def _default_group_backend() -> str:
