@@ -326,10 +326,11 @@ def test_memory_bytes_counts_swap_files_and_the_pinned_pool(tmp_path):
 # -- errors at initialize ----------------------------------------------------------------------
 
 
-def test_missing_nvme_path_is_created_as_deepspeed_creates_its_swap_folder(tmp_path):
+def test_missing_nvme_path_is_created_as_deepspeed_creates_its_swap_folder(tmp_path, caplog):
     missing = tmp_path / "nope" / "swap"
-    engine = offload.initialize(TinyGPT(), tier_config(missing))
-    assert missing.is_dir()
+    with caplog.at_level("INFO", logger="offload.storage.swap"):
+        engine = offload.initialize(TinyGPT(), tier_config(missing))
+    assert missing.is_dir() and f"created offload.nvme_path {missing}" in caplog.text
     engine.close()
 
 

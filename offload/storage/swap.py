@@ -189,9 +189,10 @@ def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     """Create `path` (with its parents) if missing, then `check_swap_dir` it: for scripts
     that take a swap directory on the command line. A directory that cannot be created is an
     OSError naming `key`, the path and the fix, as `check_swap_dir`'s are."""
-    if path:
+    if path and not os.path.exists(path):
         try:
             os.makedirs(path, exist_ok=True)
+            logger.info("created %s %s (it did not exist)", key, path)
         except OSError as exc:
             raise type(exc)(
                 exc.errno,
