@@ -315,3 +315,30 @@ def test_skeleton_contract_field_names_are_kept():
     assert {"offload", "optimizer", "scheduler", "precision", "aio", "gradient_clipping",
             "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "unit_modules",
             "compute_device", "cpu_adam_threads"} <= names(Config)
+
+
+# -- errors a user can act on (issue #36) ------------------------------------------------------------
+
+
+def test_synonyms_get_the_right_did_you_mean():
+    from offload.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"param_tier = 'gpu'.*did you mean 'device'"):
+        load_config({"offload": {"param_tier": "gpu"}})
+    with pytest.raises(ConfigError, match=r"optimizer.learning_rate is not a known key.*did you mean 'lr'"):
+        load_config({"optimizer": {"learning_rate": 1e-3}})
+
+
+def test_sizes_read_as_on_the_command_line_and_yaml_numbers_get_a_hint(tmp_path):
+    from offload.config import ConfigError, ConfigTypeError, load_config
+
+    cfg = load_config({"offload": {"pinned_budget_bytes": "1GiB"}})
+    assert cfg.offload.pinned_budget_bytes == 1 << 30
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: 3e-4\n")  # YAML 1.1 reads 3e-4 (no dot) as a string
+    with pytest.raises(ConfigTypeError, match=r"optimizer.lr = '3e-4' \(str\).*YAML.*write it as 0.0003"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"pinned_budget_bytes = '1 lots': cannot read"):
+        load_config({"offload": {"pinned_budget_bytes": "1 lots"}})
+    with pytest.raises(ConfigTypeError, match=r"optimizer.lr = 'fast' \(str\), but it must be a number"):
+        load_config({"optimizer": {"lr": "fast"}})

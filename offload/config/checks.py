@@ -74,12 +74,19 @@ def type_error(key: str, value: Any, expected: str, fix: Optional[str] = None) -
                            fix or f"set {key} to {expected}")
 
 
+_SYNONYMS = {"gpu": "device", "cuda": "device", "learning_rate": "lr", "beta": "betas",
+             "epsilon": "eps", "wd": "weight_decay", "host": "cpu", "disk": "nvme", "ssd": "nvme"}
+"""Words users reach for that spelling cannot lead to (a GPU tier is `device`, not `cpu`)."""
+
+
 def did_you_mean(word: Any, choices: Iterable[str], what: str = "") -> str:
     """" (did you mean 'x'?)" for the closest choice, or "" when nothing is close."""
     choices = list(choices)
     lowered = {c.lower(): c for c in choices}
     if isinstance(word, str) and word.lower() in lowered:
         return f" (did you mean {lowered[word.lower()]!r}{what}?)"
+    if isinstance(word, str) and _SYNONYMS.get(word.lower()) in choices:
+        return f" (did you mean {_SYNONYMS[word.lower()]!r}{what}?)"
     close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}{what}?)" if close else ""
 
@@ -106,6 +113,23 @@ def _section_in(hint: Any) -> Optional[type[Section]]:
             if isinstance(arg, type) and issubclass(arg, Section):
                 return arg
     return None
+
+
+def _size(key: str, text: str) -> int:
+    from offload.sizes import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(key, f"= {text!r}: {exc}", f"set {key} to a byte count or a size such as '1GiB'") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def coerce(key: str, value: Any, hint: Any) -> Any:
@@ -144,12 +168,19 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, bool):
             raise type_error(key, value, "an integer")
+        if isinstance(value, str) and key.endswith("_bytes"):
+            value = _size(key, value)  # "1GiB", "512MB", "1.2e9": as on the command line
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if not isinstance(value, int):
             raise type_error(key, value, "an integer")
         return value
     if hint is float:
+        if isinstance(value, str) and _is_number(value):
+            # YAML 1.1 reads 3e-4 (no dot before the e) as text: say so, and how to write it
+            raise ConfigTypeError(key, f"= {value!r} (str), but it must be a number: YAML reads a number "
+                                  "like 3e-4 without a dot as text", f"write it as {float(value)!r} "
+                                  "(a dot before the e, e.g. 3.0e-4)")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise type_error(key, value, "a number")
         value = float(value)
