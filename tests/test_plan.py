@@ -552,3 +552,15 @@ def test_stages_on_the_cpu_recommend_stage_3_and_the_cli_prints_them():
                          "--cpu-mem", "64GiB", "--stages", "--json"], capture_output=True, text=True,
                         timeout=120)
     assert json.loads(js.stdout)["recommended_stage"] == 3
+
+
+def test_cli_missing_nvme_path_is_one_line(tmp_path, capsys):
+    """It was a 13-line traceback from shutil.disk_usage (issue #36)."""
+    with pytest.raises(SystemExit) as e:
+        cli_mod.main(["--params", "1e9", "--nvme-path", str(tmp_path / "missing")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(f"error: --nvme-path {tmp_path / 'missing'} does not exist: point "
+                                                 "it at a directory on the disk to plan for (its free space is "
+                                                 "measured), or give --nvme-free BYTES")
