@@ -89,8 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         nvme = args.nvme_free
         if nvme is None and args.nvme_path:
             if not os.path.isdir(args.nvme_path):
-                what = "is not a directory" if os.path.exists(args.nvme_path) else "does not exist"
-                raise ValueError(f"--nvme-path {args.nvme_path} {what}: point it at a directory on the disk "
+                state = "is not a directory" if os.path.exists(args.nvme_path) else "does not exist"
+                raise ValueError(f"--nvme-path {args.nvme_path} {state}: point it at a directory on the disk "
                                  "to plan for (its free space is measured), or give --nvme-free BYTES")
             nvme = shutil.disk_usage(args.nvme_path).free
         machine = make_machine(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_free=nvme,
