@@ -267,6 +267,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     with engine_errors():  # the engine's checks at the door: `error: ...`, exit 2
         if args.nvme_path and _uses_nvme(args):
             make_swap_dir(args.nvme_path, "--nvme-path")  # created here, checked by the engine
+        elif args.nvme_path:
+            print(f"note: --nvme-path {args.nvme_path} is not used: no tier is on NVMe (add --param-tier nvme "
+                  "and/or --optimizer-tier nvme, or --placement auto)", file=sys.stderr, flush=True)
         config = make_config(args)
     torch.manual_seed(args.seed)
     fp32_matmul = args.cpu_matmul != "native" and args.precision in ("bf16", "fp16")

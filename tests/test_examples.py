@@ -397,3 +397,16 @@ def test_keep_last_prunes_only_complete_older_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".tmp-global_step4-ab", "global_step1", "global_step3", "latest"]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         prune(str(tmp_path), 0)
+
+
+def test_an_unused_nvme_path_is_named(tmp_path):
+    """--nvme-path with every tier in memory was silently ignored (issue #36)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "1",
+                          "--nvme-path", str(tmp_path / "swap")], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert f"note: --nvme-path {tmp_path / 'swap'} is not used: no tier is on NVMe" in out.stderr
+    assert not (tmp_path / "swap").exists()
