@@ -324,3 +324,35 @@ def test_offload_config_sections_round_trip_and_check_ranges():
         load_config({"monitors": {"steps_per_write": 0}})
     with pytest.raises(ValueError, match="monitors.tensorboard.output_path"):
         load_config({"monitors": {"tensorboard": {"output_path": " "}}})
+
+
+def test_deepspeed_steps_per_print_prints_without_logging_configured(tmp_path):
+    """DeepSpeed prints its step line by itself; a DeepSpeed config's steps_per_print printed
+    nothing until the user configured logging (issue #36). offload's own config stays quiet
+    as a library should (the second run)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, warnings, torch, offload\n"
+        "from tests.conftest import TinyGPT, gpt_batches\n"
+        "warnings.simplefilter('ignore')\n"
+        "ds = {'train_micro_batch_size_per_gpu': 1, 'steps_per_print': 1, 'zero_optimization': {'stage': 3},\n"
+        "      'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}}}\n"
+        "cfg = ds if sys.argv[1] == 'deepspeed' else {'optimizer': {'lr': 1e-3}, 'logging': {'steps_per_print': 1}}\n"
+        "engine = offload.initialize(TinyGPT(n_layer=1), cfg)\n"
+        "for x, y in gpt_batches(2):\n"
+        "    engine.backward(engine(x, y)); engine.step()\n"
+        "engine.close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    ds = subprocess.run([sys.executable, str(script), "deepspeed"], capture_output=True, text=True, env=env,
+                        cwd=root, timeout=240)
+    assert ds.returncode == 0, ds.stderr
+    assert "offload.runtime.report INFO: step 1 | loss" in ds.stderr and "INFO: step 2 | loss" in ds.stderr, ds.stderr
+    ours = subprocess.run([sys.executable, str(script), "offload"], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=240)
+    assert ours.returncode == 0 and "step 1" not in ours.stderr, ours.stderr

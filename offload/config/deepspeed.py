@@ -534,6 +534,8 @@ def _logging(t: Translation) -> None:
     for key in ("steps_per_print", "wall_clock_breakdown"):
         if ds.get(key) is not None:
             t.set(f"logging.{key}", ds[key], key)
+    if ds.get("steps_per_print"):
+        t.set("logging.print_unconfigured", True, "steps_per_print")  # DeepSpeed prints by itself
     for ds_name, (ours, keys) in _MONITOR_KEYS.items():
         block = read_section(ds_name, ds.get(ds_name), keys)
         if block.get("output_path") == "":

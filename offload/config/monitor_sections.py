@@ -46,6 +46,11 @@ class LoggingConfig(Section):
     report and the monitors (DeepSpeed's key of the same name)."""
     all_ranks: bool = False
     """Log on every rank (each line names its rank); False = rank 0 only."""
+    print_unconfigured: bool = False
+    """Show the step report on stderr even when the program configured no logging (no
+    handler on the `offload` logger or the root): DeepSpeed's habit, whose logger prints by
+    itself. A DeepSpeed config that sets `steps_per_print` turns it on; offload's own
+    default stays quiet as a library should (`offload.enable_logging()` shows it)."""
     tokens_per_step: Optional[int] = None
     """Tokens one rank processes per optimizer step (micro batch x sequence length x
     gradient_accumulation_steps); the report's tokens/s is this x world size / step time.

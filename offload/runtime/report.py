@@ -49,6 +49,17 @@ logger = logging.getLogger(__name__)
 _HANDLER_NAME = "offload.enable_logging"
 
 
+def logger_configured() -> bool:
+    """Whether the program configured logging that shows offload's records: a handler on
+    the `offload` logger (or one above it below the root), or on the root."""
+    log: Optional[logging.Logger] = logging.getLogger("offload")
+    while log is not None:
+        if log.handlers:
+            return True
+        log = log.parent if log.propagate else None
+    return False
+
+
 def enable_logging(level: int = logging.INFO, stream: Any = None) -> logging.Handler:
     """Show offload's records at `level` and above on `stream` (default stderr): one
     handler on the `offload` logger (added once; later calls change its level). Leaves
@@ -109,6 +120,8 @@ class StepReporter:
         self.monitors: list[Monitor] = []
         if state.rank == 0 and self.monitor_cfg.any_enabled:
             self.monitors = open_monitors(self.monitor_cfg)
+        if self.cfg.print_unconfigured and self.speaks and not logger_configured():
+            enable_logging()  # a DeepSpeed config's steps_per_print: printed as DeepSpeed does
         self._losses: list[float] = []
         self._log_window, self._monitor_window = _Window(), _Window()
         self.last: Optional[dict[str, Any]] = None
