@@ -120,7 +120,7 @@ def test_zero_offload_cpu_example_translates_to_the_expected_config():
         gradient_clipping=1.0,
         gradient_accumulation_steps=2,
         train_micro_batch_size_per_gpu=4,
-        logging=LoggingConfig(steps_per_print=100),  # the step report (tests/test_logging.py)
+        logging=LoggingConfig(steps_per_print=100, print_unconfigured=True),  # the step report (tests/test_logging.py)
     )
     assert config.ignored_keys == (
         "zero_optimization.contiguous_gradients",
@@ -523,3 +523,19 @@ def test_checkpoint_tag_validation_is_read():
         load_config({**base, "checkpoint": {"tag_validation": "Maybe"}})
     with pytest.raises(ConfigError, match="load_universal"):
         load_config({**base, "checkpoint": {"load_universal": True}})
+
+
+def test_the_translation_report_is_warned_on_rank_0_only(monkeypatch):
+    """Hugging Face's stock ZeRO-3 template drew the same 9-line warning on every rank (issue #36)."""
+    import warnings
+
+    from offload.config import DeepSpeedConfigWarning, load_config
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+    for rank, expected in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config(ds)
+        assert len([w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]) == expected, rank
+        assert "zero_optimization.reduce_bucket_size" in cfg.ignored_keys  # the record is on every rank

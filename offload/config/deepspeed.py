@@ -91,6 +91,18 @@ _DS_FLOAT_DTYPES = {
 """DeepSpeed's names of the floating dtypes (runtime/config.py DtypeEnum) -> offload's."""
 
 
+def _rank_now() -> int:
+    """This process's rank, as `_world_size_now` finds the world size: an initialised
+    torch.distributed, else $RANK (torchrun sets it), else 0."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def _world_size_now() -> int:
     """The data-parallel world size DeepSpeed's batch arithmetic would see, without
     importing torch: an initialised torch.distributed, else $WORLD_SIZE (torchrun sets
@@ -172,7 +184,8 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
                      + "\n".join(f"  {key}: {why}" for key, why in sorted(t.ignored.items())))
         if t.notes:
             text += "\nNotes (Config.notes):\n" + "\n".join(f"  {note}" for note in t.notes)
-        warnings.warn(text, DeepSpeedConfigWarning, stacklevel=_caller_stacklevel())
+        if _rank_now() == 0:  # one report per run, not one per rank (the ranks' are the same)
+            warnings.warn(text, DeepSpeedConfigWarning, stacklevel=_caller_stacklevel())
     return config
 
 
