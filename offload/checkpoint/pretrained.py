@@ -13,7 +13,12 @@ parameter), whatever the model's size: every file's safetensors header is writte
 (shapes and dtypes are known from the layout) and each parameter is written at its offset as
 its unit arrives, as consolidation does (`consolidate.split_files` / `preallocate`).
 
-What is written is what `PreTrainedModel.save_pretrained` writes for the same weights:
+What is written is what `PreTrainedModel.save_pretrained` writes for the same weights, except
+for the architectures whose checkpoints transformers 5 renames or merges on load (its
+conversion mapping: GPT-NeoX's `embed_out`, Mixtral's per-expert `w1/w2/w3`, ViT, Llava):
+those are written under the names the model holds in memory, which transformers 5 loads but
+transformers 4 and other readers do not (tests/test_model_zoo.py pins it; reversing the
+mapping unit by unit is the fix). Otherwise:
 - a tied parameter once, under the name transformers keeps: the first of its names that no
   module lists in `_tied_weights_keys` (the names transformers re-ties on load; for GPT-2
   and Llama with tied embeddings, the embedding's), else its first name in state-dict order;
