@@ -362,7 +362,9 @@ def test_train_gpt_interrupted_ends_with_one_line(tmp_path, sig, status):
                     r"command plus --resume$", last), last
     assert not [f for _, _, fs in os.walk(swap) for f in fs], "swap files left behind"
     tags = [t for t in os.listdir(ckpt) if t.startswith("global_step")]
-    assert len(tags) == 1, tags  # --keep-last 1
+    # --keep-last 1: one complete checkpoint, or two when the signal landed between a save
+    # and the removal of the one before (removal only after the new one is complete)
+    assert 1 <= len(tags) <= 2, tags
 
 
 def test_train_gpt_interrupted_with_debug_shows_the_traceback(tmp_path):
