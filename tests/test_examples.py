@@ -332,6 +332,23 @@ def test_progress_bar_on_a_terminal_cuts_no_field(ncols):
 # -- interruptions and checkpoint retention (issue #36) ------------------------------------------
 
 
+def _standalone_env(**extra: str) -> dict:
+    """os.environ without any launcher's variables (an earlier test in this process may have
+    left torchrun's, or DeepSpeed's init_distributed its own), for a one-process example."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "GROUP_RANK", "ROLE_RANK", "OFFLOAD_DEBUG") and not k.startswith("TORCHELASTIC_")}
+    return {**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGTERM at their defaults, whatever this process had."""
+    import signal as signals
+
+    signals.signal(signals.SIGINT, signals.SIG_DFL)
+    signals.signal(signals.SIGTERM, signals.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig,status", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_train_gpt_interrupted_ends_with_one_line(tmp_path, sig, status):
     """Ctrl-C (or a scheduler's SIGTERM) mid-run: one line naming the step, the cleanup and
@@ -340,13 +357,12 @@ def test_train_gpt_interrupted_ends_with_one_line(tmp_path, sig, status):
     import signal as signals
 
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
+    env = _standalone_env()
     cmd = [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "100000",
            "--param-tier", "nvme", "--optimizer-tier", "nvme", "--nvme-path", str(swap),
            "--pinned-budget", "4MiB", "--save-dir", str(ckpt), "--save-every", "2", "--keep-last", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=_default_signals)
     saves = 0
     for line in proc.stdout:  # off a terminal: a line per step, one per save
         saves += line.startswith("saved ")
@@ -370,9 +386,10 @@ def test_train_gpt_interrupted_ends_with_one_line(tmp_path, sig, status):
 def test_train_gpt_interrupted_with_debug_shows_the_traceback(tmp_path):
     import signal as signals
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "OFFLOAD_DEBUG": "1"}
+    env = _standalone_env(OFFLOAD_DEBUG="1")
     cmd = [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=_default_signals)
     for line in proc.stdout:
         if line.startswith("step 2/"):
             break
