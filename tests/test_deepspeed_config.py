@@ -125,7 +125,6 @@ def test_zero_offload_cpu_example_translates_to_the_expected_config():
     assert config.ignored_keys == (
         "zero_optimization.contiguous_gradients",
         "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size",
     )
@@ -215,6 +214,21 @@ def test_nothing_to_report_means_no_warning():
         warnings.simplefilter("error")
         config = translate_deepspeed(_ds(), world_size=1)
     assert config.ignored_keys == () and config.notes == ()
+
+
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
+                                 "gather_16bit_weights_on_model_save"])
+def test_gathering_16bit_weights_on_save_is_honoured_not_ignored(key):
+    """True is what offload always does (save_16bit_model and the Trainer's save_model write
+    the consolidated weights): no report, which inside the Trainer used to say "use
+    engine.full_state_dict()", misleading there. False gets a note that they are written anyway."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = translate_deepspeed(_ds(zero={key: True}), world_size=1)
+    assert config.ignored_keys == () and config.notes == ()
+    with pytest.warns(DeepSpeedConfigWarning, match="always write the consolidated weights"):
+        config = translate_deepspeed(_ds(zero={key: False}), world_size=1)
+    assert config.ignored_keys == () and len(config.notes) == 1 and key in config.notes[0]
 
 
 def test_optimizer_offload_none_maps_to_cpu_with_a_note():

@@ -33,7 +33,7 @@ _ZERO_MAPPED = frozenset({
     "stage", "offload_param", "offload_optimizer", "prefetch_bucket_size", "max_reuse_distance",
     "sub_group_size", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
     "compute_grad_norm", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients", "zenflow", "leaf_module",
+    "zero_quantized_gradients", "zenflow", "leaf_module", "gather_16bit_weights_on_model_save",
 })
 
 _ZERO_IGNORED = {
@@ -49,7 +49,6 @@ _ZERO_IGNORED = {
     "max_live_parameters": "offload bounds live parameters by prefetch.prefetch_bytes + prefetch.keep_bytes",
     "param_persistence_threshold": "offload partitions every parameter of a unit",
     "model_persistence_threshold": "offload partitions every parameter of a unit",
-    "gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
     "stage3_gather_fp16_weights_on_model_save": "use engine.full_state_dict()",
     "module_granularity_threshold": "offload's units are chosen by unit_modules",
     "use_all_reduce_for_fetch_params": "communication detail",
@@ -138,6 +137,15 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
     for name, why in _ZERO_IGNORED.items():
         if name in zero:
             t.ignore(key_of[name], why)
+    # True is what offload always does (save_16bit_model, the Trainer's save_model and
+    # full_state_dict write the consolidated weights), so it is honoured, not ignored: the
+    # stock Hugging Face ZeRO-3 template sets it, and "use engine.full_state_dict()" would
+    # mislead a Trainer user, whose save_model already writes them.
+    if "gather_16bit_weights_on_model_save" in zero and not coerce(
+            key_of["gather_16bit_weights_on_model_save"], zero["gather_16bit_weights_on_model_save"], bool):
+        t.notes.append(f"{key_of['gather_16bit_weights_on_model_save']} is false: DeepSpeed's "
+                       "save_16bit_model would then save nothing at stage 3; offload's (and the "
+                       "Trainer's save_model) always write the consolidated weights")
 
     # Deprecated spellings, mapped as DeepSpeed maps them (and, as there, not together with
     # their replacement).
