@@ -17,6 +17,7 @@ import gc
 import os
 import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -332,6 +333,22 @@ def test_missing_nvme_path_is_created_as_deepspeed_creates_its_swap_folder(tmp_p
         engine = offload.initialize(TinyGPT(), tier_config(missing))
     assert missing.is_dir() and f"created offload.nvme_path {missing}" in caplog.text
     engine.close()
+
+
+def test_nvme_path_on_tmpfs_warns_that_the_disk_is_memory(tmp_path):
+    """A swap directory on tmpfs took RAM with no word said (issue #36)."""
+    from offload.storage.swap import MEMORY_FILESYSTEMS, MemoryBackedSwapWarning, filesystem_type
+    with mounted_tmpfs("64m") as mnt:
+        assert filesystem_type(mnt) == "tmpfs" and filesystem_type(os.path.join(mnt, "a", "b")) == "tmpfs"
+        with pytest.warns(MemoryBackedSwapWarning) as caught:
+            offload.initialize(TinyGPT(), tier_config(mnt)).close()
+        assert len(caught) == 1
+        assert str(caught[0].message).startswith(
+            f"offload.nvme_path {mnt!r} is on a tmpfs filesystem, which keeps its files in host memory")
+    if filesystem_type(str(tmp_path)) not in MEMORY_FILESYSTEMS:  # pytest's tmp dir on a disk
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MemoryBackedSwapWarning)
+            offload.initialize(TinyGPT(), tier_config(tmp_path)).close()
 
 
 def test_nvme_path_that_cannot_be_created_is_a_clear_error(tmp_path):

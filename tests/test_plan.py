@@ -564,3 +564,19 @@ def test_cli_missing_nvme_path_is_one_line(tmp_path, capsys):
     assert err.strip().splitlines()[-1].endswith(f"error: --nvme-path {tmp_path / 'missing'} does not exist: point "
                                                  "it at a directory on the disk to plan for (its free space is "
                                                  "measured), or give --nvme-free BYTES")
+
+
+def test_cli_nvme_path_on_tmpfs_says_the_disk_is_memory(tmp_path, capsys):
+    """A RAM-backed --nvme-path was planned for as if it were a disk (issue #36)."""
+    from tests.fsutil import mounted_tmpfs
+    with mounted_tmpfs("64m") as mnt:
+        assert cli_mod.main(["--params", "1e6", "--nvme-path", mnt]) in (0, None)
+        err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"warning: --nvme-path {mnt!r} is on a tmpfs filesystem, which keeps its files in host memory: "
+        "the NVMe tiers' swap files would take RAM, not disk; point it at a directory on a local NVMe "
+        "disk (or use the cpu tiers, which need no files)"]
+    from offload.storage.swap import MEMORY_FILESYSTEMS, filesystem_type
+    if filesystem_type(str(tmp_path)) not in MEMORY_FILESYSTEMS:  # pytest's tmp dir on a disk
+        assert cli_mod.main(["--params", "1e6", "--nvme-path", str(tmp_path)]) in (0, None)
+        assert "warning" not in capsys.readouterr().err

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from offload.plan.planner import plan
 from offload.plan.stages import compare_stages
 from offload.plan.tier_bytes import default_units
 from offload.sizes import parse_bytes, parse_count
+from offload.storage.swap import memory_backed
 
 __all__ = ["main"]
 
@@ -93,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError(f"--nvme-path {args.nvme_path} {state}: point it at a directory on the disk "
                                  "to plan for (its free space is measured), or give --nvme-free BYTES")
             nvme = shutil.disk_usage(args.nvme_path).free
+            on_memory = memory_backed(args.nvme_path, "--nvme-path")
+            if on_memory is not None:
+                print(f"warning: {on_memory}", file=sys.stderr)
         machine = make_machine(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_free=nvme,
                                world_size=args.world_size, gpu_reserve=args.gpu_reserve,
                                cpu_reserve=args.cpu_reserve, nvme_reserve=args.nvme_reserve)

@@ -26,6 +26,7 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
@@ -150,6 +151,56 @@ def stale_swap_bytes(nvme_path: str) -> int:
     return total
 
 
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+"""Filesystems whose files are pages of host memory, not blocks on a disk."""
+
+
+class MemoryBackedSwapWarning(RuntimeWarning):
+    """The swap directory is on a RAM-backed filesystem: the "NVMe" tiers take host memory."""
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type (`ext4`, `tmpfs`, ...) of the mount holding `path`, from /proc/self/mountinfo
+    (the longest mount point that contains the resolved path); None where it cannot be read."""
+    real = os.path.realpath(path)
+    best: tuple[int, Optional[str]] = (-1, None)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                # Mount points escape spaces and the like as octal (\040).
+                mount = fields[4].encode().decode("unicode_escape")
+                fstype = line.split(" - ", 1)[1].split()[0]
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best[0]:
+                    best = (len(mount), fstype)
+    except OSError:
+        return None
+    return best[1]
+
+
+def memory_backed(path: str, key: str = "offload.nvme_path") -> Optional[str]:
+    """What to tell a user whose swap directory `path` is on tmpfs or another RAM-backed
+    filesystem (whose "disk" is the host memory the NVMe tiers exist to spare), in one line;
+    None for a directory on a disk."""
+    fstype = filesystem_type(path)
+    if fstype not in MEMORY_FILESYSTEMS:
+        return None
+    return (f"{key} {path!r} is on a {fstype} filesystem, which keeps its files in host memory: "
+            "the NVMe tiers' swap files would take RAM, not disk; point it at a directory on a "
+            "local NVMe disk (or use the cpu tiers, which need no files)")
+
+
+def warn_if_memory_backed(path: str, key: str = "offload.nvme_path") -> bool:
+    """A `MemoryBackedSwapWarning` with `memory_backed`'s line; returns whether it warned."""
+    message = memory_backed(path, key)
+    if message is not None:
+        warnings.warn(MemoryBackedSwapWarning(message), stacklevel=3)
+    return message is not None
+
+
 def check_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     """Check at the door that `path` is an existing directory we can create files in."""
     if not path:
@@ -216,6 +267,8 @@ class SwapDirectory:
 
     def __init__(self, nvme_path: str, rank: int) -> None:
         check_swap_dir(nvme_path)
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # once a node, not once a rank
+            warn_if_memory_backed(nvme_path)
         self.rank = rank
         # Absolute: a chdir during the run must not send close() to another directory.
         self.path = os.path.join(os.path.abspath(nvme_path), SWAP_SUBDIR)
