@@ -27,7 +27,7 @@ from offload.dtypes import DTYPES
 from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
 from offload.optim.threads import resolve_threads
-from offload.runtime.accounting import memory_bytes
+from offload.runtime.accounting import device_tensors, memory_bytes
 from offload.runtime.activations import configure as configure_activations
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.build import build
@@ -35,9 +35,9 @@ from offload.runtime.gather import Gatherer
 from offload.runtime.gathered import Gathering
 from offload.runtime.generation import mark_synced_generation, unmark_synced_generation
 from offload.runtime.grads import Gradients
+from offload.runtime.health import Health
 from offload.runtime.lifecycle import (
     LIVE_ENGINES,
-    EngineState,
     drain_at_exit,
     bind,
     bind0,
@@ -52,6 +52,7 @@ from offload.runtime.monitors import check_monitors
 from offload.runtime.optimizer_step import StepMode, StepPolicy
 from offload.runtime.param_state import ParamState
 from offload.runtime.report import StepReporter
+from offload.runtime.residency import DeviceResidency
 from offload.runtime.schedule import Phase
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import ShardedState
@@ -132,9 +133,7 @@ class Engine:
         self._close_nvme: Optional[Callable[[], Any]] = None
         self._hooks: list[Any] = []
         self._at_exit = drain_at_exit(self)  # a script that ends without close()
-        self.state = EngineState.READY
-        self._failure: Optional[BaseException] = None
-        """What put the engine in EngineState.FAILED (the step's own error)."""
+        self.residency = DeviceResidency()
 
         check_weights_present(model)
         check_monitors(config.monitors)  # a missing library fails here, before the build
@@ -171,7 +170,10 @@ class Engine:
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
         self._register_hooks()
-        self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks)
+        self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks,
+                                   self.residency)
+        self.health = Health(self.policy, self.gather, self.backward_tracker, self.gathering, self.residency,
+                             self.param_tier, self.optimizer.store, self.nvme)  # EngineState, checks
         # HF generate() then keeps every rank's forwards in step ([Note: generation in step]).
         self._marked_generation = mark_synced_generation(model, self.world_size)
         self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
@@ -196,7 +198,7 @@ class Engine:
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
         tracker = self.backward_tracker
         if unit.index == ROOT and not tracker.active:
-            self._check_ready("the model's forward")
+            self.health.check_ready("the model's forward")
             self.grads.check_requires_grad()  # [Note: requires_grad after initialize]
             args, kwargs = cast_inputs(args, kwargs, self.device, self.dtype)
             self.gather.begin_iteration(self.policy.step_index, self.module.training)
@@ -292,7 +294,7 @@ class Engine:
         for its window): the engine multiplies it back before its step divides."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
-        self._check_ready("engine.backward")
+        self.health.check_ready("engine.backward")
         if not scale_wrt_gas and self.policy.gradient_accumulation_steps != 1:
             loss = loss * self.policy.gradient_accumulation_steps
         bad = self.policy.nonfinite_loss(loss)  # reads the loss (a device sync) unless off
@@ -314,7 +316,7 @@ class Engine:
             partial = self.backward_tracker.active and self.policy.pass_updates > 0
             self._abort_backward()
             if partial:
-                self._fail(exc)
+                self.health.fail(exc)
             raise
         self._finish_backward()
 
@@ -328,7 +330,7 @@ class Engine:
         """Advance one micro-batch; at an accumulation boundary apply the optimizer step.
         If the optimizer step fails (an I/O error, say), its error is raised here and the
         engine enters EngineState.FAILED: load a checkpoint to go on."""
-        self._check_ready("engine.step")
+        self.health.check_ready("engine.step")
         self._finish_backward()
         boundary = self.policy.end_micro_batch()  # counts it (and the backward passes it ran)
         if not boundary:
@@ -342,7 +344,7 @@ class Engine:
             self.gather.prefetch_next_iteration()
             stats = self.timeline.end_step()
         except BaseException as exc:
-            self._fail(exc)
+            self.health.fail(exc)
             raise
         self.reporter.after_step(stats)
         if nonfinite is not None:
@@ -353,55 +355,6 @@ class Engine:
         stall, optimizer and fetch figures; docs/prefetch.md), or None before the first step."""
         last = self.timeline.last
         return None if last is None else last.as_dict()
-
-    # -- failure and recovery -------------------------------------------------------------
-
-    def _fail(self, exc: BaseException) -> None:
-        """Enter EngineState.FAILED after `exc` interrupted an update part-way."""
-        self.state = EngineState.FAILED
-        self._failure = exc
-        self.policy.reset()
-        self.gather.drop()
-
-    def _settle(self) -> None:
-        """Wait for the optimizer worker; an update that failed there part-applied the step."""
-        if (err := self.policy.settle()) is not None and self.state is EngineState.READY:
-            self._fail(err)
-
-    def _check_ready(self, what: str) -> None:
-        self._settle()
-        if self.state is EngineState.READY:
-            # A write that failed after its step returned (it surfaced in a later forward's
-            # read, say) lost a shard just the same.
-            lost = self._lost_write()
-            if lost is not None:
-                self._fail(lost)
-        if self.state is EngineState.FAILED:
-            exc = self._failure
-            raise RuntimeError(
-                f"{what}: an earlier optimizer step failed part-way ({type(exc).__name__}: {exc}), "
-                "so the parameters and optimizer state are inconsistent (some units were "
-                "updated, others not). Fix the cause, then engine.load_checkpoint(...) restores "
-                "a consistent state and training goes on; or engine.close()"
-            ) from exc
-        self.gathering.check_closed(what)  # no step inside engine.gathered(...)
-
-    def _lost_write(self) -> Optional[BaseException]:
-        """The error of a write whose failure has been seen (its slot is lost), or None."""
-        return self.param_tier.write_failure() or self.optimizer.store.write_failure()
-
-    def _recover(self) -> None:
-        """Before a load restores the state of a failed engine: let every write still in
-        flight finish and drop the failures it already reported."""
-        for owner in (self.param_tier, self.optimizer.store):
-            owner.settle()
-        if self.nvme is not None:
-            try:
-                self.nvme.staging.drain()
-            except OSError:
-                pass  # already raised by the step that failed
-        self.gather.free_all()
-        self.backward_tracker.reset()
 
     # -- conveniences torch users expect ----------------------------------------------------
 
@@ -418,6 +371,7 @@ class Engine:
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(*args, **kwargs)
 
+    state = property(lambda self: self.health.state, doc="EngineState: READY, or FAILED by a step.")
     global_steps = property(lambda self: self.policy.counters.global_steps,
                             doc="Applied optimizer steps.")
     micro_steps = property(lambda self: self.policy.counters.micro_steps,
@@ -453,24 +407,24 @@ class Engine:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip this step as torch.nn.utils.clip_grad_norm_ would; see Gradients.clip_grad_norm_."""
-        self._check_ready("engine.clip_grad_norm_")
+        self.health.check_ready("engine.clip_grad_norm_")
         return self.grads.clip_grad_norm_(max_norm, norm_type)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last step; see Gradients.zero_grad."""
-        self._check_ready("engine.zero_grad")
+        self.health.check_ready("engine.zero_grad")
         self.grads.zero_grad()
 
     def full_grad(self, param: Union[str, nn.Parameter]) -> Optional[torch.Tensor]:
         """A parameter's full fp32 gradient, on every rank; see Gradients.full_grad."""
-        self._check_ready("engine.full_grad")
+        self.health.check_ready("engine.full_grad")
         return self.grads.full_grad(param)
 
     # -- weights in and out: gathered on purpose (offload/runtime/gathered.py), full weights --
     def gathered(self, params_or_modules: Any = None, modifier_rank: Optional[int] = None) -> Any:
         """A context with full parameters on every rank: offload/runtime/gathered.py."""
-        self._settle()
-        return self.gathering.context(params_or_modules, modifier_rank, self._failure)
+        self.health.settle("engine.gathered")
+        return self.gathering.context(params_or_modules, modifier_rank, self.health.failure)
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
@@ -483,7 +437,7 @@ class Engine:
         (`offload.checkpoint.full_weights`)."""
         from offload.checkpoint.full_weights import full_state_dict
 
-        self._settle()
+        self.health.settle("engine.full_state_dict")
         return full_state_dict(self.sharded_state, rank0_only)
 
     @torch.no_grad()
@@ -503,7 +457,7 @@ class Engine:
         unit. offload/checkpoint/pretrained.py."""
         from offload.checkpoint.pretrained import save_pretrained
 
-        self._check_ready("engine.save_pretrained")
+        self.health.check_ready("engine.save_pretrained")
         return save_pretrained(self.sharded_state, save_directory, dtype, max_shard_size, safe_serialization)
 
     # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
@@ -517,7 +471,7 @@ class Engine:
         `load_checkpoint`. Returns the checkpoint's path."""
         from offload.checkpoint import save_checkpoint
 
-        self._check_ready("engine.save_checkpoint")
+        self.health.check_ready("engine.save_checkpoint")
         return save_checkpoint(self.sharded_state, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None,
@@ -529,15 +483,12 @@ class Engine:
         The `load_*` flags are DeepSpeed's (what each keeps: `offload.checkpoint.load`)."""
         from offload.checkpoint.load import LoadParts, load_checkpoint
 
-        self._settle()
-        if self.state is EngineState.FAILED or self._lost_write() is not None:
-            self._recover()
+        self.health.settle("engine.load_checkpoint")
+        self.health.recover()  # after a failed step: the writes in flight settle first
         self.gather.drop()  # shards fetched ahead are about to go stale
         out = load_checkpoint(self.sharded_state, load_dir, tag, copy_to_swap=copy_to_swap,
                               parts=LoadParts(load_optimizer_states, load_lr_scheduler_states, load_module_only))
-        # Every unit's parameters and state now come from the checkpoint: consistent again.
-        self.state, self._failure = EngineState.READY, None
-        self.policy.reset()
+        self.health.ready()
         return out
 
     # -- accounting ---------------------------------------------------------------------------
@@ -545,7 +496,22 @@ class Engine:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the engine holds right now, per kind of memory: 'device', 'host', 'pinned',
         'nvme' (see offload/runtime/accounting.py for what each counts)."""
-        return memory_bytes(self.sharded_state)
+        return memory_bytes(self.sharded_state, self.residency.memory_tensors())
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: park what lives on the compute device in host memory until
+        `reload_states()` (offload/runtime/residency.py); every rank calls it, between steps."""
+        if self.residency.parked:
+            return  # parked already (DeepSpeed's is idempotent too)
+        self.health.check_ready("engine.offload_states")
+        self.gather.drop()
+        self.gather.free_all()  # gathered copies the schedule rebuilds: freed, not parked
+        self.residency.offload(device_tensors(self.sharded_state), include, device, pin_memory)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Back on the compute device, bit for bit (a no-op when nothing is parked)."""
+        self.residency.reload()
 
     def io_stats(self) -> dict[str, float]:
         """What the NVMe tiers moved since `initialize`: bytes read and written, and seconds
@@ -559,22 +525,22 @@ class Engine:
         the I/O workers and delete this rank's swap files; a process group offload started stays
         for the next engine (destroyed at exit). Idempotent; also what `with initialize(...) as
         engine:` does on exit."""
+        if self not in LIVE_ENGINES:
+            return  # closed already
         LIVE_ENGINES.discard(self)
         self._at_exit.detach()
-        if getattr(self, "policy", None) is not None:  # the worker's updates land first
-            self.policy.close()
-        if getattr(self, "reporter", None) is not None:
-            self.reporter.close()  # monitors flush and close
+        self.residency.reload()  # a closed model keeps its weights
+        self.policy.close()  # the worker's updates land first
+        self.reporter.close()  # monitors flush and close
         remove_hooks(self._hooks)
-        if getattr(self, "_marked_generation", False):
+        if self._marked_generation:
             unmark_synced_generation(self.module)
-        if getattr(self, "backward_tracker", None) is not None:  # absent when __init__ failed early
-            self.gather.drop()
-            self.drain()
-        if released_parameters(self.module) and not getattr(self, "_closed_hook", None):
+        self.gather.drop()
+        self.drain()
+        if released_parameters(self.module):
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.
-            self._closed_hook = self.module.register_forward_pre_hook(forward_of_a_closed_model)
+            self.module.register_forward_pre_hook(forward_of_a_closed_model)
         if self._close_nvme is not None:
             self._close_nvme()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():

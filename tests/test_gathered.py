@@ -227,7 +227,7 @@ def test_clear_errors_world_size_1():
         assert torch.equal(inside, engine(x, y))
     with pytest.raises(ValueError, match=r"assign=True"):
         m.load_state_dict(m.state_dict(), assign=True)
-    engine._fail(OSError(5, "injected write error"))  # as a failed optimizer step leaves it
+    engine.health.fail(OSError(5, "injected write error"))  # as a failed optimizer step leaves it
     with pytest.raises(RuntimeError, match="engine.gathered: an earlier optimizer step failed"):
         engine.gathered(m.wte)
     engine.close()

@@ -11,38 +11,56 @@ split is visible. A storage shared by two tensors counts once.
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import torch
 
 from offload.runtime.view import ShardedState
 
-__all__ = ["memory_bytes"]
+__all__ = ["memory_bytes", "device_tensors"]
 
 
-def memory_bytes(state: ShardedState) -> dict[str, int]:
-    out = {"device": 0, "host": 0, "pinned": 0, "nvme": 0}
-    counted: set[int] = set()
-
-    def add(kind: str, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in counted:
-            return
-        counted.add(s.data_ptr())
-        out[kind] += s.nbytes()
-
+def _held(state: ShardedState) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the engine holds in memory with the bucket it counts in; the first
+    bucket a storage appears under is the one it counts in."""
     for st in state.states:
-        add("host", st.grad)
+        yield "host", st.grad
     # Each store says where its bytes count: the optimizer state first, so that a parameter
     # shard that is the fp32 master itself (fp32 on the CPU) counts once, as 'host'.
     for owner in (state.optimizer_states, state.param_tier):
-        for bucket, t in owner.memory_tensors():
-            add(bucket, t)
-        out["nvme"] += owner.bytes_on_disk()
+        yield from owner.memory_tensors()
     for unit in state.units:
-        add("device", unit.full)
+        yield "device", unit.full
     for b in state.module.buffers():
-        add("device", b)
+        yield "device", b
     for staging in state.optimizer.staging_buffers:
-        add("host", staging)
+        yield "host", staging
+
+
+def _first_bucket(state: ShardedState) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_held`, each storage once (empty ones left out)."""
+    counted: set[int] = set()
+    for kind, t in _held(state):
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in counted:
+            continue
+        counted.add(s.data_ptr())
+        yield kind, t
+
+
+def device_tensors(state: ShardedState) -> list[torch.Tensor]:
+    """One tensor per storage counted as 'device' (what `engine.offload_states()` parks)."""
+    return [t for kind, t in _first_bucket(state) if kind == "device"]
+
+
+def memory_bytes(state: ShardedState, parked: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """`parked`: host copies of device storages (`engine.offload_states()`), counted as 'host'."""
+    out = {"device": 0, "host": 0, "pinned": 0, "nvme": 0}
+    for kind, t in _first_bucket(state):
+        out[kind] += t.untyped_storage().nbytes()
+    out["host"] += sum(t.untyped_storage().nbytes() for t in parked)
+    for owner in (state.optimizer_states, state.param_tier):
+        out["nvme"] += owner.bytes_on_disk()
     if state.nvme is not None:
         out["pinned"] = state.nvme.staging.pool.bytes_reserved
     return out

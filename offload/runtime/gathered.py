@@ -46,6 +46,7 @@ from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.gather import Gatherer
+from offload.runtime.residency import DeviceResidency
 from offload.runtime.lifecycle import bind
 from offload.runtime.view import ShardedState
 from offload.units.partition import ROOT
@@ -92,13 +93,14 @@ class Gathering:
     """Holds of units outside training, for one engine; see the module docstring."""
 
     def __init__(self, sharded: ShardedState, gather: Gatherer, tracker: BackwardTracker,
-                 hooks: list[Any]) -> None:
+                 hooks: list[Any], residency: DeviceResidency) -> None:
         """Registers the hooks on the model (`install`), their handles added to `hooks` (the
         Engine's list, removed at close). Built after the Engine registered its own hooks."""
         self.sharded = sharded
         self.units = sharded.units
         self.gather = gather
         self.tracker = tracker
+        self.residency = residency
         self.slot_of: dict[int, tuple[int, int]] = {
             id(p): (ui, si) for ui, u in enumerate(self.units) for si, p in enumerate(u.params)
         }
@@ -154,6 +156,10 @@ class Gathering:
     def _hold(self, units: Iterable[int], hold: Hold) -> list[int]:
         """Hold `units` (in index order: the gathers are collectives); returns those this
         hold gathered or gave bytes, which its release frees."""
+        units = tuple(units)
+        if units:
+            self.residency.check("gathering parameters outside training (a state_dict, "
+                                 "load_state_dict, submodule call or engine.gathered)")
         ours: list[int] = []
         held: list[int] = []
         try:
