@@ -58,6 +58,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -489,8 +490,9 @@ def test_zoo_saved_names(name, dirs, ws2):
 
 
 def test_a_weight_missing_from_the_checkpoint_is_named(dirs, tmp_path, caplog):
-    """One weight taken out of the files: named in from_pretrained's warning and initialized by
-    `_init_weights` at initialize (docs/hf.md: transformers' rule), never silently."""
+    """One weight of the base model taken out of the files: an error naming it (issue #33:
+    transformers warns and trains it from random values); with allow_missing=True named in
+    from_pretrained's warning and initialized by `_init_weights` at initialize, never silently."""
     from safetensors.torch import load_file, save_file
 
     from offload.integrations.hf import from_pretrained
@@ -506,8 +508,11 @@ def test_a_weight_missing_from_the_checkpoint_is_named(dirs, tmp_path, caplog):
     save_file(tensors, f, metadata={"format": "pt"})
     json.dump(index, open(index_path, "w"))
 
+    with pytest.raises(ValueError, match=rf"1 weight\(s\) of LlamaForCausalLM's base model are not in the "
+                       rf"checkpoint at .*\['{re.escape(missing)}'\].*allow_missing=True"):
+        from_pretrained(path)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        model = from_pretrained(path)
+        model = from_pretrained(path, allow_missing=True)
     warned = [r.getMessage() for r in caplog.records if missing in r.getMessage()]
     assert warned and "not in the checkpoint" in warned[0] and "newly initialized" in warned[0], caplog.text
     engine = offload.initialize(model, make_config())

@@ -33,7 +33,11 @@ gives, bit for bit, for the weights it loads:
   checkpoint rounds the values to bf16 first, as transformers does;
 - tied weights are one parameter, read under the name the checkpoint has;
 - checkpoint keys the model does not use are named in one warning (less the model's
-  `_keys_to_ignore_on_load_unexpected`); parameters the checkpoint lacks are named in one
+  `_keys_to_ignore_on_load_unexpected`); a parameter of the base model that the checkpoint
+  lacks is a `ValueError` naming it (transformers warns and trains it from random values,
+  which is how its own conversion bugs went unseen), unless `allow_missing=True`; a task
+  head's parameters the checkpoint lacks (a new `score` or `classifier`), and with
+  `allow_missing` the others, are named in one
   warning and initialized at `initialize` by the model's `_init_weights` on their module
   (same distribution as transformers'; the same values under the same seed when, as for a
   new head, they are the only ones drawn); a shape mismatch is a `ValueError` naming the
@@ -72,12 +76,15 @@ logger = logging.getLogger("offload")
 
 
 def from_pretrained(path: str, model_class: Any = None, *, dtype: Any = "auto",
-                    ignore_mismatched_sizes: bool = False, **kwargs: Any) -> nn.Module:
+                    ignore_mismatched_sizes: bool = False, allow_missing: bool = False,
+                    **kwargs: Any) -> nn.Module:
     """A model of `model_class` (default `transformers.AutoModelForCausalLM`) built from
     `path`'s config with its parameters on the meta device, whose weights the next
     `offload.initialize(model, ...)` streams from `path`'s safetensors into the shards
     (module docstring). `kwargs` go to the config as transformers' `from_pretrained` sends
-    them (`num_labels=3`); those the config does not take go to the model's constructor."""
+    them (`num_labels=3`); those the config does not take go to the model's constructor.
+    `allow_missing`: a weight of the base model that the checkpoint lacks is initialized
+    (with a warning) instead of being an error (module docstring)."""
     import transformers
 
     try:
@@ -104,7 +111,7 @@ def from_pretrained(path: str, model_class: Any = None, *, dtype: Any = "auto",
         model.tie_weights()
         model.config.name_or_path = reader.path
         _load_generation_config(model, reader.path, transformers)
-        param_keys = _match_and_load_buffers(model, reader, ignore_mismatched_sizes)
+        param_keys = _match_and_load_buffers(model, reader, ignore_mismatched_sizes, allow_missing)
         source = RenamedSource(reader, param_keys)
     except BaseException:
         reader.close()
@@ -178,7 +185,7 @@ def _target(key: str, expected: dict[str, Any], prefix: str) -> Optional[str]:
 
 
 def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
-                            ignore_mismatched_sizes: bool) -> dict[str, str]:
+                            ignore_mismatched_sizes: bool, allow_missing: bool) -> dict[str, str]:
     """Match checkpoint keys to the model's state-dict keys, copy the persistent buffers
     found, warn about unused and missing keys; return {parameter name: checkpoint key}."""
     expected = model.state_dict(keep_vars=True)  # meta parameters (every tied name), real buffers
@@ -188,6 +195,7 @@ def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
     key_of: dict[str, str] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
+    reinit: set[str] = set()  # initialized anew on purpose (ignore_mismatched_sizes)
     for key in reader.keys():
         target = _target(rename(key), expected, prefix)
         if target is None:
@@ -203,6 +211,7 @@ def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
                 raise ValueError(f"{what}; load a checkpoint of this configuration, or pass "
                                  "ignore_mismatched_sizes=True to initialize it anew instead")
             mismatched.append(what)
+            reinit.add(target)
             continue
         key_of[target] = key
 
@@ -222,13 +231,14 @@ def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
         else:
             missing.append(name)
 
-    _warn(model, reader.path, unexpected, missing, mismatched)
+    _warn(model, reader.path, unexpected, [k for k in missing if k not in reinit], mismatched, allow_missing)
     return key_of  # the buffers' keys were taken out above: parameters only
 
 
 def _warn(model: nn.Module, path: str, unexpected: list[str], missing: list[str],
-          mismatched: list[str]) -> None:
-    """transformers' load report, one line each (less the keys the model says to ignore)."""
+          mismatched: list[str], allow_missing: bool) -> None:
+    """transformers' load report, one line each (less the keys the model says to ignore);
+    a weight of the base model missing is an error unless `allow_missing`."""
     def ignoring(patterns: Any) -> Any:
         patterns = set(patterns or ())
         return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
@@ -244,6 +254,15 @@ def _warn(model: nn.Module, path: str, unexpected: list[str], missing: list[str]
     unexpected = [k for k in unexpected if skip_unexpected is None or not skip_unexpected.search(k)]
     missing = [k for k in missing if skip_missing is None or not skip_missing.search(k)]
     cls = type(model).__name__
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a buffer keeps its built value
+    in_base = [k for k in missing if k in params and _in_base_model(model, k)]
+    if in_base and not allow_missing:
+        raise ValueError(
+            f"from_pretrained into shards: {len(in_base)} weight(s) of {cls}'s base model are not "
+            f"in the checkpoint at {path}: {in_base[:8]}{' ...' if len(in_base) > 8 else ''}; they "
+            "would train from random values. Check that the checkpoint is of this architecture "
+            "and was written whole (a conversion transformers did not apply leaves weights "
+            "out), or pass allow_missing=True to initialize them with the model's _init_weights")
     if unexpected:
         logger.warning(f"from_pretrained into shards: {len(unexpected)} weight(s) of the checkpoint "
                        f"at {path} are not used by {cls}: {unexpected}")
@@ -254,6 +273,17 @@ def _warn(model: nn.Module, path: str, unexpected: list[str], missing: list[str]
     for what in mismatched:
         logger.warning(f"from_pretrained into shards: {what}; newly initialized "
                        "(ignore_mismatched_sizes=True)")
+
+
+def _in_base_model(model: nn.Module, key: str) -> bool:
+    """Whether `key` belongs to the model's base model (transformers' `base_model_prefix`
+    submodule, or the whole model when it is the base model itself); a task head added on
+    top (`score`, `classifier`, an untied `lm_head`) does not."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        return True
+    return key.startswith(prefix + ".")
 
 
 def _module_init(model: nn.Module) -> Any:
