@@ -9,16 +9,16 @@ from a live engine unit by unit.
 
 Every rank calls it (each unit's fp32 master is all-gathered, `full_weights.engine_units`);
 rank 0 writes. Memory: one unit's full fp32 flat buffer (and its cast copy of one
-parameter), whatever the model's size: every file's safetensors header is written first
+parameter; of the whole unit for a model whose names are reversed: [Note: reversal memory]
+in hf_names.py), whatever the model's size: every file's safetensors header is written first
 (shapes and dtypes are known from the layout) and each parameter is written at its offset as
 its unit arrives, as consolidation does (`consolidate.split_files` / `preallocate`).
 
-What is written is what `PreTrainedModel.save_pretrained` writes for the same weights, except
+What is written is what `PreTrainedModel.save_pretrained` writes for the same weights, also
 for the architectures whose checkpoints transformers 5 renames or merges on load (its
 conversion mapping: GPT-NeoX's `embed_out`, Mixtral's per-expert `w1/w2/w3`, ViT, Llava):
-those are written under the names the model holds in memory, which transformers 5 loads but
-transformers 4 and other readers do not (tests/test_model_zoo.py pins it; reversing the
-mapping unit by unit is the fix). Otherwise:
+the mapping is reversed unit by unit (offload/checkpoint/hf_names.py), so the files hold
+the checkpoint format transformers 4 and other readers know. In detail:
 - a tied parameter once, under the name transformers keeps: the first of its names that no
   module lists in `_tied_weights_keys` (the names transformers re-ties on load; for GPT-2
   and Llama with tied embeddings, the embedding's), else its first name in state-dict order;
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ from typing import Any, Optional, Union
 import torch
 
 from offload.checkpoint import files, full_weights, manifest
+from offload.checkpoint.hf_names import NameReversal
 from offload.checkpoint.consolidate import (
     DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, ST_DTYPES, parse_size, preallocate,
     pwrite_tensor, split_files,
@@ -143,10 +145,12 @@ def save_pretrained(
     kept = kept_keys(sharded.module, full_weights.param_keys(signature))
     itemsize = out_dtype.itemsize
     plan, buffers, n_params = [], {}, 0
+    groups: dict[Any, dict[str, torch.Tensor]] = {}  # what arrives together, as meta tensors
     for entry in sharded.state_dict_index:
         if entry.location is Location.PARAM and entry.key in kept:
             s = slots[entry.where]
             plan.append((entry.key, ST_DTYPES[name_of(out_dtype)], s["shape"], s["numel"] * itemsize))
+            groups.setdefault(entry.where[0], {})[entry.key] = torch.empty(s["shape"], dtype=out_dtype, device="meta")
             n_params += s["numel"]
         elif entry.location is Location.BUFFER:  # planned on every rank: errors before any gather
             value = entry.where.detach().to(
@@ -158,6 +162,12 @@ def save_pretrained(
             if sharded.rank == 0:
                 buffers[entry.key] = value
             plan.append((entry.key, code, list(value.shape), value.numel() * value.element_size()))
+            groups.setdefault("buffers", {})[entry.key] = value.to("meta")
+    # transformers' checkpoint names where its conversion mapping renamed them on load.
+    reversal = NameReversal.of(sharded.module, groups)
+    if reversal is not None:
+        plan = [(key, ST_DTYPES[name_of(dt)], list(shape), math.prod(shape) * dt.itemsize)
+                for items in reversal.plan.values() for key, shape, dt in items]
 
     writer = PretrainedWriter(target, plan, limit, n_params) if sharded.rank == 0 else None
     error: Optional[BaseException] = None
@@ -175,12 +185,21 @@ def save_pretrained(
             return
         assert writer is not None, "only a rank with a writer keeps the weights (keep=)"
         try:
-            value = value.to(out_dtype)
+            # A copy when reversing: the group is written once complete ([Note: reversal memory]).
+            value = value.to(out_dtype, copy=reversal is not None)
             for key in keys:
                 if key in kept:
-                    writer.write(key, value)
+                    write(key, value)
         except Exception as exc:
             error = exc
+
+    def write(key: str, value: torch.Tensor) -> None:
+        assert writer is not None
+        if reversal is None:
+            writer.write(key, value)
+            return
+        for name, converted in reversal.add(key, value):
+            writer.write(name, converted.contiguous())
 
     full_weights.stream_full_weights(
         signature, full_weights.engine_units(sharded, keep=writer is not None), put)
@@ -188,7 +207,10 @@ def save_pretrained(
         try:
             if error is None:
                 for key, value in buffers.items():
-                    writer.write(key, value)
+                    write(key, value)
+                if reversal is not None and reversal.pending:  # never a file with a hole
+                    raise RuntimeError(f"save_pretrained: groups {sorted(map(str, reversal.pending))} "
+                                       "never completed, so their tensors were not written")
                 writer.write_configs(sharded.module, out_dtype)
                 writer.commit()
         except Exception as exc:
