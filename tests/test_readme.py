@@ -1,8 +1,9 @@
 """README's quick start runs as printed: each ```python block of its "Quick start" section,
 as a new user pastes it into a file, in its own process on a CPU-only install.
 
-Other sections' python blocks are fragments that continue the quick start (`engine` from
-it); the quick start's are whole programs, and this test is what keeps them so. A negative
+Other sections' python blocks are fragments (a DeepSpeed script's and a Trainer script's
+lines, naming the reader's own model and data); the quick start's are whole programs, and
+this test is what keeps them so. A negative
 control (a block using an undefined name, as the old quick start's `MyTransformer` did)
 shows that the harness sees a failing block.
 """
