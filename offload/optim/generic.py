@@ -26,16 +26,15 @@ back) with `step` set to the steps already taken.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["probe", "register", "generic_update", "GENERIC", "kind_name"]
+from offload.optim.kind import OptimizerKind, UpdateFn
 
-GENERIC: dict[str, tuple[type, tuple[str, ...], tuple[str, ...]]] = {}
-"""Registered generic kinds: name -> (the optimizer class, its state tensor names, the
-group keys its constructor takes: a scheduler's `initial_lr` and the like stay out)."""
+__all__ = ["probe", "kind_for", "kind_name"]
 
 _STEP_KEYS = ("step",)
 
@@ -103,20 +102,23 @@ def probe(cls: type, group: dict[str, Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
-def register(optimizer: torch.optim.Optimizer) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """Probe `optimizer`'s class with its first group and register it: (kind name, state
-    names, numeric hyperparameter keys)."""
+def kind_for(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    """Probe `optimizer`'s class with its first group: the record of its generic kind, for
+    the engine that runs it (nothing is registered anywhere else). Its hyperparameters are
+    the numeric group keys; the constructor takes every key of its defaults (a scheduler's
+    `initial_lr` and the like stay out)."""
     cls = type(optimizer)
     group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     names = probe(cls, group)
-    kind = kind_name(cls)
-    GENERIC[kind] = (cls, names, tuple(k for k in optimizer.defaults if k != "params"))
-    return kind, names, hyperparameter_keys(optimizer.defaults)
+    keys = tuple(k for k in optimizer.defaults if k != "params")
+    return OptimizerKind(kind_name(cls), names, hyperparameter_keys(optimizer.defaults),
+                         functools.partial(_generic_update, keys=keys), torch_class=cls)
 
 
-def generic_update(kind: str):  # -> kinds.UpdateFn
-    """The update one run of generic `kind` calls (kinds.UpdateFn's signature)."""
-    cls, names, keys = GENERIC[kind]
+def _generic_update(kind: OptimizerKind, *, keys: tuple[str, ...], **_: Any) -> UpdateFn:
+    """The update one run of generic `kind` calls (torch's class over the run's slice)."""
+    cls, names = kind.torch_class, kind.state_names
+    assert cls is not None
 
     def update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
                step: int, group: dict[str, Any], grad_scale: float,

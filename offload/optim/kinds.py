@@ -1,117 +1,41 @@
-"""The optimizers the engine runs, and what each one needs from it.
+"""The optimizers the engine runs: the registry of native kinds, and param-group resolution.
 
-For each `optimizer.type` ("Adam", "AdamW", "Lion", "Adagrad"): the names of its state
-tensors per unit (torch's names: Adam's `exp_avg` and `exp_avg_sq`, Lion's `exp_avg`,
-Adagrad's `sum`), the hyperparameters a param group carries, the value a state tensor starts
-at, and the flat-shard kernel one update run calls (offload/optim/functional.py,
-offload/optim/one_state.py). `ShardedOptimizer` (offload/optim/sharded.py), the stores, the
-checkpoints and the planner ask this module instead of assuming Adam's two moments.
+Each native `optimizer.type` ("Adam", "AdamW", "Lion", "Adagrad") is one `OptimizerKind`
+record (offload/optim/kind.py) in `REGISTRY`: the names of its state tensors per unit
+(torch's names: Adam's `exp_avg` and `exp_avg_sq`, Lion's `exp_avg`, Adagrad's `sum`), the
+hyperparameters a param group carries, the value a state tensor starts at, the flat-shard
+kernel one update run calls (offload/optim/functional.py, offload/optim/one_state.py), the
+torch optimizers it takes over and the flags it refuses. A generic kind (any elementwise
+torch optimizer) is a record `generic.kind_for` builds for the engine that runs it.
+`ShardedOptimizer` (offload/optim/sharded.py), the stores, the checkpoints and the planner
+ask the record instead of assuming Adam's two moments.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from offload.config.sections import OptimizerConfig
-from offload.dtypes import MOMENT_DTYPES
 from offload.optim import generic
-from offload.optim.adam8bit import BLOCK_SIZE, adam8bit_step_flat, zero_code
+from offload.optim.adam8bit import adam8bit_step_flat
 from offload.optim.functional import adam_step_flat
+from offload.optim.kind import MOMENT_FORMATS, OptimizerKind, UpdateFn
 from offload.optim.one_state import adagrad_step_flat, lion_step_flat
-from offload.storage.state_layout import StateSpec, uniform_specs
+from offload.storage.state_layout import StateSpec
 
-KINDS = ("Adam", "AdamW", "Lion", "Adagrad")
-"""Every `optimizer.type` the engine runs (config/sections.py `OptimizerConfig.type`)."""
+__all__ = ["REGISTRY", "KINDS", "MOMENT_FORMATS", "OptimizerKind", "kind_of", "state_names", "state_specs",
+           "base_group", "update_fn", "kind_of_torch_optimizer", "resolve_param_groups", "TORCH_TYPES"]
 
-STATE_NAMES: dict[str, tuple[str, ...]] = {
-    "Adam": ("exp_avg", "exp_avg_sq"),
-    "AdamW": ("exp_avg", "exp_avg_sq"),
-    "Lion": ("exp_avg",),
-    "Adagrad": ("sum",),
-}
-"""Each optimizer's per-unit state tensors beside the fp32 master, in slot order; all in
-`optimizer.moments_dtype` over the shard's optimized prefix."""
-
-HYPERPARAMS: dict[str, tuple[str, ...]] = {
-    "Adam": ("lr", "betas", "eps", "weight_decay"),
-    "AdamW": ("lr", "betas", "eps", "weight_decay"),
-    "Lion": ("lr", "betas", "weight_decay"),
-    "Adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
-}
-"""What one param group carries (torch's keys), per optimizer."""
-
-UpdateFn = Callable[..., None]
-"""`fn(master, grad, states, *, step, group, grad_scale, out_lowp)`: one run's update;
-`states` the optimizer's state tensors over the run, in `STATE_NAMES` order."""
+# -- the updates: one builder per kernel family (module globals, so tests can swap a kernel) --
 
 
-def state_names(kind: str) -> tuple[str, ...]:
-    try:
-        return STATE_NAMES[kind]
-    except KeyError:
-        raise ValueError(f"optimizer type {kind!r}; the engine runs {', '.join(KINDS)} natively and "
-                         "any elementwise torch optimizer passed as optimizer= (offload/optim/generic.py)"
-                         ) from None
-
-
-MOMENT_FORMATS = ("fp32", "bf16", "8bit")
-"""`optimizer.moments_dtype`: the state tensors in fp32 or bf16, or Adam's moments as
-blockwise 8-bit codes with a per-block scale (offload/optim/adam8bit.py)."""
-
-
-def state_specs(kind: str, moments: str = "fp32") -> tuple[StateSpec, ...]:
-    """The state tensors one unit of `kind` keeps beside its fp32 master, in slot order, for
-    `optimizer.moments_dtype` `moments`: `STATE_NAMES` in that dtype, or with "8bit" (Adam
-    and AdamW only) the two moments as uint8 codes (torch's names: `exp_avg`, `exp_avg_sq`)
-    followed by their per-block fp32 scales (`exp_avg_scale`, `exp_avg_sq_scale`, one per
-    `BLOCK_SIZE` elements)."""
-    names = state_names(kind)
+def _adam_update(kind: OptimizerKind, *, decoupled: bool, extra: dict[str, Any],
+                 adam_fn: Optional[Callable[..., None]], moments: str) -> UpdateFn:
     if moments == "8bit":
-        if kind not in ("Adam", "AdamW"):
-            raise ValueError(
-                f"optimizer.moments_dtype='8bit' is blockwise 8-bit Adam moments; the engine's "
-                f"{kind} keeps its state ({', '.join(names)}) in 'fp32' or 'bf16': set one of those"
-            )
-        return (StateSpec("exp_avg", torch.uint8, zero=float(zero_code(True))),
-                StateSpec("exp_avg_sq", torch.uint8, zero=float(zero_code(False))),
-                StateSpec("exp_avg_scale", torch.float32, BLOCK_SIZE),
-                StateSpec("exp_avg_sq_scale", torch.float32, BLOCK_SIZE))
-    if moments not in MOMENT_DTYPES:
-        raise ValueError(f"optimizer.moments_dtype={moments!r}; allowed: {', '.join(MOMENT_FORMATS)}")
-    return uniform_specs(names, MOMENT_DTYPES[moments])
-
-
-def base_group(oc: OptimizerConfig) -> dict[str, Any]:
-    """The default param group of `oc` (an `OptimizerConfig`): its type's hyperparameters."""
-    out = {}
-    for key in HYPERPARAMS[oc.type]:
-        value = getattr(oc, key)
-        out[key] = tuple(value) if key == "betas" else value
-    return out
-
-
-def initial_value(spec: StateSpec, group: dict[str, Any]) -> float:
-    """What state tensor `spec` starts at for parameters of `group` (torch's choice):
-    Adagrad's `sum` at initial_accumulator_value, every other at zero (`spec.zero`)."""
-    return float(group.get("initial_accumulator_value", 0.0)) if spec.name == "sum" else spec.zero
-
-
-class _Threads(TypedDict, total=False):
-    """The kernels' `threads` argument, passed only when set (a test's `adam_fn` lacks it)."""
-
-    threads: int
-
-
-def update_fn(kind: str, *, decoupled: bool, threads: int = 0,
-              adam_fn: Optional[Callable[..., None]] = None, moments: str = "fp32") -> UpdateFn:
-    """The update one run of `kind` calls, over its `state_specs(kind, moments)` in order.
-    `threads` > 0 is passed to the kernel (config.cpu_adam_threads); `adam_fn` replaces
-    Adam's kernel (tests, benchmarks)."""
-    extra: _Threads = {"threads": threads} if threads > 0 and adam_fn is None else {}
-    if kind in ("Adam", "AdamW") and moments == "8bit":
 
         def adam8bit_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
                             step: int, group: dict[str, Any], grad_scale: float,
@@ -125,104 +49,145 @@ def update_fn(kind: str, *, decoupled: bool, threads: int = 0,
                 grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
 
         return adam8bit_update
-    if kind in ("Adam", "AdamW"):
-        adam = adam_fn or adam_step_flat
+    adam = adam_fn or adam_step_flat
 
-        def adam_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
-                        step: int, group: dict[str, Any], grad_scale: float,
-                        out_lowp: Optional[torch.Tensor]) -> None:
-            beta1, beta2 = group["betas"]
-            adam(master, grad, states[0], states[1], step=step, lr=float(group["lr"]),
-                 beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                 weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
-                 grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
+    def adam_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
+                    step: int, group: dict[str, Any], grad_scale: float,
+                    out_lowp: Optional[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        adam(master, grad, states[0], states[1], step=step, lr=float(group["lr"]),
+             beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+             weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
+             grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
 
-        return adam_update
-    if kind == "Lion":
-
-        def lion_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
-                        step: int, group: dict[str, Any], grad_scale: float,
-                        out_lowp: Optional[torch.Tensor]) -> None:
-            beta1, beta2 = group["betas"]
-            lion_step_flat(master, grad, states[0], lr=float(group["lr"]), beta1=float(beta1),
-                           beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-                           grad_scale=float(grad_scale), out_lowp=out_lowp, step=step, **extra)
-
-        return lion_update
-    if kind == "Adagrad":
-
-        def adagrad_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
-                           step: int, group: dict[str, Any], grad_scale: float,
-                           out_lowp: Optional[torch.Tensor]) -> None:
-            adagrad_step_flat(master, grad, states[0], step=step, lr=float(group["lr"]),
-                              lr_decay=float(group["lr_decay"]),
-                              weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                              grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
-
-        return adagrad_update
-    if kind in generic.GENERIC:
-        return generic.generic_update(kind)
-    state_names(kind)  # raises, naming the types
-    raise AssertionError(kind)
+    return adam_update
 
 
-def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> str:
-    """The engine's type for a torch optimizer whose groups `initialize` takes over; a type
+def _lion_update(kind: OptimizerKind, *, decoupled: bool, extra: dict[str, Any],
+                 adam_fn: Optional[Callable[..., None]], moments: str) -> UpdateFn:
+    def lion_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
+                    step: int, group: dict[str, Any], grad_scale: float,
+                    out_lowp: Optional[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lion_step_flat(master, grad, states[0], lr=float(group["lr"]), beta1=float(beta1),
+                       beta2=float(beta2), weight_decay=float(group["weight_decay"]),
+                       grad_scale=float(grad_scale), out_lowp=out_lowp, step=step, **extra)
+
+    return lion_update
+
+
+def _adagrad_update(kind: OptimizerKind, *, decoupled: bool, extra: dict[str, Any],
+                    adam_fn: Optional[Callable[..., None]], moments: str) -> UpdateFn:
+    def adagrad_update(master: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor], *,
+                       step: int, group: dict[str, Any], grad_scale: float,
+                       out_lowp: Optional[torch.Tensor]) -> None:
+        adagrad_step_flat(master, grad, states[0], step=step, lr=float(group["lr"]),
+                          lr_decay=float(group["lr_decay"]),
+                          weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                          grad_scale=float(grad_scale), out_lowp=out_lowp, **extra)
+
+    return adagrad_update
+
+
+# -- the records ----------------------------------------------------------------------------
+
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+_ADAM_HP = ("lr", "betas", "eps", "weight_decay")
+_TORCH_ONLY_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def _is_adamw(o: torch.optim.Optimizer) -> bool:
+    return isinstance(o, torch.optim.AdamW) or (
+        isinstance(o, torch.optim.Adam) and bool(o.defaults.get("decoupled_weight_decay", False)))
+
+
+REGISTRY: Mapping[str, OptimizerKind] = MappingProxyType({k.name: k for k in (
+    OptimizerKind("Adam", _ADAM_STATES, _ADAM_HP, _adam_update,
+                  takes_over=lambda o: isinstance(o, torch.optim.Adam) and not _is_adamw(o),
+                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True),
+    OptimizerKind("AdamW", _ADAM_STATES, _ADAM_HP, _adam_update, takes_over=_is_adamw,
+                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True, decoupled=True),
+    OptimizerKind("Lion", ("exp_avg",), ("lr", "betas", "weight_decay"), _lion_update,
+                  takes_over=lambda o: type(o).__name__ == "Lion"
+                  and type(o).__module__.startswith("lion_pytorch"),
+                  refused_flags={"use_triton": bool, "decoupled_weight_decay": bool,
+                                 "cautious_factor": lambda v: v not in (0.0, None)}),
+    OptimizerKind("Adagrad", ("sum",), ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
+                  _adagrad_update, takes_over=lambda o: isinstance(o, torch.optim.Adagrad),
+                  generic_flags=("maximize", "differentiable"),
+                  starts_at={"sum": "initial_accumulator_value"}),
+)})
+"""The native kinds, by `optimizer.type`: each one record (offload/optim/kind.py)."""
+
+KINDS = tuple(REGISTRY)
+"""Every `optimizer.type` the engine runs natively (config/sections.py `OptimizerConfig.type`)."""
+
+KindLike = Union[str, OptimizerKind]
+
+
+def kind_of(kind: KindLike) -> OptimizerKind:
+    """The record of `kind` (a record already, or a native kind's name)."""
+    if isinstance(kind, OptimizerKind):
+        return kind
+    try:
+        return REGISTRY[kind]
+    except KeyError:
+        raise ValueError(f"optimizer type {kind!r}; the engine runs {', '.join(KINDS)} natively and "
+                         "any elementwise torch optimizer passed as optimizer= (offload/optim/generic.py)"
+                         ) from None
+
+
+def state_names(kind: KindLike) -> tuple[str, ...]:
+    return kind_of(kind).state_names
+
+
+def state_specs(kind: KindLike, moments: str = "fp32") -> tuple[StateSpec, ...]:
+    """`OptimizerKind.specs` of `kind`."""
+    return kind_of(kind).specs(moments)
+
+
+def base_group(oc: OptimizerConfig) -> dict[str, Any]:
+    """The default param group of `oc` (an `OptimizerConfig`): its type's hyperparameters."""
+    out = {}
+    for key in kind_of(oc.type).hyperparams:
+        value = getattr(oc, key)
+        out[key] = tuple(value) if key == "betas" else value
+    return out
+
+
+def update_fn(kind: KindLike, *, decoupled: bool, threads: int = 0,
+              adam_fn: Optional[Callable[..., None]] = None, moments: str = "fp32") -> UpdateFn:
+    """`OptimizerKind.update` of `kind`."""
+    return kind_of(kind).update(decoupled=decoupled, threads=threads, adam_fn=adam_fn, moments=moments)
+
+
+def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    """The engine's kind for a torch optimizer whose groups `initialize` takes over; a type
     it cannot run, or a flag its kernel lacks, is refused by name."""
-    name = type(optimizer).__name__
-    if isinstance(optimizer, torch.optim.AdamW):
-        kind = "AdamW"
-    elif isinstance(optimizer, torch.optim.Adam):
-        kind = "AdamW" if optimizer.defaults.get("decoupled_weight_decay", False) else "Adam"
-    elif isinstance(optimizer, torch.optim.Adagrad):
-        kind = "Adagrad"
-    elif name == "Lion" and type(optimizer).__module__.startswith("lion_pytorch"):
-        kind = "Lion"
-    else:
-        return _generic_kind(optimizer)  # the generic path, if elementwise (raises why not)
-    unsupported = {"Adam": ("amsgrad", "maximize", "capturable", "differentiable"),
-                   "AdamW": ("amsgrad", "maximize", "capturable", "differentiable"),
-                   "Adagrad": ("maximize", "differentiable"),
-                   "Lion": ("use_triton", "decoupled_weight_decay", "cautious_factor")}[kind]
-    for gi, g in enumerate(optimizer.param_groups):
-        for flag in unsupported:
-            if flag == "cautious_factor":
-                on = g.get(flag, 0.0) not in (0.0, None)
-            else:
-                on = bool(g.get(flag, False))
-            if on and kind in ("Adam", "AdamW", "Adagrad"):
-                return _generic_kind(optimizer)  # torch's class runs it (amsgrad, maximize)
-            if on:
-                raise NotImplementedError(
-                    f"optimizer={name} param group {gi} sets {flag}=True, which the engine's CPU "
-                    f"{kind} does not implement; remove it"
-                )
-    return kind
-
-
-def _generic_kind(optimizer: torch.optim.Optimizer) -> str:
-    """Register `optimizer`'s class on the generic path (offload/optim/generic.py) and make
-    its state names and hyperparameters known here; its kind name."""
-    kind, names, keys = generic.register(optimizer)
-    STATE_NAMES[kind], HYPERPARAMS[kind] = names, keys
-    return kind
+    for kind in REGISTRY.values():
+        if kind.takes_over(optimizer):
+            if kind.refuse_flags(optimizer):
+                return generic.kind_for(optimizer)  # torch's class runs it (amsgrad, maximize)
+            return kind
+    return generic.kind_for(optimizer)  # the generic path, if elementwise (raises why not)
 
 
 def resolve_param_groups(
     model: nn.Module, oc: OptimizerConfig, optimizer: Any
-) -> tuple[list[dict[str, Any]], dict[int, int], str]:
+) -> tuple[list[dict[str, Any]], dict[int, int], OptimizerKind]:
     """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
-    (hyperparameters per group, id(param) -> group index, the optimizer type: one of
-    `KINDS`; "AdamW" means decoupled weight decay). A torch optimizer brings its own type
-    (`kind_of_torch_optimizer`); otherwise `oc.type` decides. See `offload.initialize` for
-    the accepted forms."""
-    kind: str = oc.type
+    (hyperparameters per group, id(param) -> group index, the optimizer's kind: a native
+    record of `REGISTRY`, or a generic one built for this engine). A torch optimizer brings
+    its own type (`kind_of_torch_optimizer`); otherwise `oc.type` decides. See
+    `offload.initialize` for the accepted forms."""
     all_params = [p for p in model.parameters()]
     if oc.type in TORCH_TYPES and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = _torch_optimizer_of_config(oc, all_params, optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         kind = kind_of_torch_optimizer(optimizer)
-    base = base_group(oc) if kind == oc.type else _torch_defaults(optimizer, kind)
+    else:
+        kind = kind_of(oc.type)
+    base = base_group(oc) if kind.name == oc.type else _torch_defaults(optimizer, kind)
     if optimizer is None:
         return [base], {id(p): 0 for p in all_params}, kind
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -231,7 +196,7 @@ def resolve_param_groups(
         unknown = set(optimizer) - set(base)
         if unknown:
             raise ValueError(
-                f"optimizer hyperparameters {sorted(unknown)} are not known to {kind}; allowed: "
+                f"optimizer hyperparameters {sorted(unknown)} are not known to {kind.name}; allowed: "
                 f"{sorted(base)}"
             )
         return [_checked({**base, **optimizer}, kind, 0)], {id(p): 0 for p in all_params}, kind
@@ -279,22 +244,22 @@ def _torch_optimizer_of_config(oc: OptimizerConfig, all_params: list,
     return cls(all_params if optimizer is None else list(optimizer), **hp)
 
 
-def _torch_defaults(optimizer: Any, kind: str) -> dict[str, Any]:
+def _torch_defaults(optimizer: Any, kind: OptimizerKind) -> dict[str, Any]:
     """A torch optimizer of another type than the config's: its own defaults (a generic
     one's all of them, flags included: its class takes them back)."""
-    if kind in generic.GENERIC:
+    if kind.generic:
         return {k: v for k, v in optimizer.defaults.items() if k != "params"}
-    return {k: optimizer.defaults[k] for k in HYPERPARAMS[kind]}
+    return {k: optimizer.defaults[k] for k in kind.hyperparams}
 
 
-def _checked(g: dict[str, Any], kind: str, gi: int) -> dict[str, Any]:
+def _checked(g: dict[str, Any], kind: OptimizerKind, gi: int) -> dict[str, Any]:
     """A group's hyperparameters in range for `kind` (as the config checks its own)."""
     if "betas" in g:
         g["betas"] = tuple(float(b) for b in g["betas"])
         if len(g["betas"]) != 2 or not all(0.0 <= b <= 1.0 for b in g["betas"]):
-            raise ValueError(f"optimizer param group {gi}: betas={g['betas']}; {kind} takes two "
+            raise ValueError(f"optimizer param group {gi}: betas={g['betas']}; {kind.name} takes two "
                              "values in [0, 1], e.g. (0.9, 0.99)")
     for key in ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value"):
         if key in g and not float(g[key]) >= 0.0:
-            raise ValueError(f"optimizer param group {gi}: {key}={g[key]} must be >= 0 for {kind}")
+            raise ValueError(f"optimizer param group {gi}: {key}={g[key]} must be >= 0 for {kind.name}")
     return g

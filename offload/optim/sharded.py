@@ -29,7 +29,8 @@ import torch
 
 from offload.config.sections import Config
 from offload.devices import side_stream
-from offload.optim.kinds import UpdateFn, initial_value, resolve_param_groups, state_specs, update_fn
+from offload.optim.kind import OptimizerKind, UpdateFn
+from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
 from offload.sizes import ALIGNMENT, align_up
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
@@ -150,7 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         threads: int = 0,
         adam_fn: Optional[Callable[..., None]] = None,
         store: Optional[OptimizerStates] = None,
-        kind: Optional[str] = None,
+        kind: Optional[KindLike] = None,
         moments: str = "fp32",
     ) -> None:
         defaults = {k: v for k, v in param_groups[0].items() if k != "params"}
@@ -162,15 +163,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.store: OptimizerStates = store if store is not None else HostOptimizerStates(states)
         """Where master and moments live (`offload.storage.optim_state`): host memory
         (`store.resident`) or a swap file on NVMe."""
-        self.kind = kind or ("AdamW" if decoupled_weight_decay else "Adam")
-        """The optimizer type (`offload.optim.kinds.KINDS`)."""
+        self.record: OptimizerKind = kind_of(kind or ("AdamW" if decoupled_weight_decay else "Adam"))
+        """The optimizer's kind (offload/optim/kind.py): states, hyperparameters, update."""
+        self.kind = self.record.name
+        """The optimizer type's name (`offload.optim.kinds.KINDS`, or a generic class's path)."""
         self.moments = moments
         """`optimizer.moments_dtype`: "fp32", "bf16" or "8bit" (Adam's blockwise 8-bit moments)."""
-        self.specs = state_specs(self.kind, moments)
+        self.specs = self.record.specs(moments)
         """Its state tensors per unit, beside the master (`offload.optim.kinds.state_specs`)."""
         self.state_names = tuple(spec.name for spec in self.specs)
         """Their names (torch's; 8-bit adds the per-block scales)."""
-        self.decoupled_weight_decay = self.kind == "AdamW"
+        self.decoupled_weight_decay = self.record.decoupled
         self.rank = rank
         self.param_tier = param_tier
         self._adam_fn = adam_fn
@@ -194,14 +197,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _adam(self) -> UpdateFn:
         """The update one run calls (`offload.optim.kinds.update_fn`)."""
-        return update_fn(self.kind, decoupled=self.decoupled_weight_decay,
-                         threads=self.threads, adam_fn=self._adam_fn, moments=self.moments)
+        return self.record.update(decoupled=self.decoupled_weight_decay, threads=self.threads,
+                                  adam_fn=self._adam_fn, moments=self.moments)
 
     @torch.no_grad()
     def _fill_initial_state(self) -> None:
         """State tensors that do not start at their zero (Adagrad's sum at a group's
         initial_accumulator_value): filled over each group's elements once, at build."""
-        starts = [[initial_value(spec, g) for spec in self.specs] for g in self.param_groups]
+        starts = [[self.record.initial_value(spec, g) for spec in self.specs] for g in self.param_groups]
         if all(v == spec.zero for row in starts for v, spec in zip(row, self.specs)):
             return
         for i in self._work:

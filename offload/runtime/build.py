@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
-from offload.optim.kinds import state_specs
+from offload.optim.kind import OptimizerKind
 from offload.optim.sharded import (
     UnitOptimizerState,
     host_state_zeros,
@@ -75,8 +75,8 @@ class Built:
     param_groups: list[dict[str, Any]]
     """torch-style groups over the units' parameters, for the optimizer."""
     decoupled_weight_decay: bool
-    kind: str
-    """The optimizer type (offload/optim/kinds.py `KINDS`)."""
+    kind: OptimizerKind
+    """The optimizer's kind (offload/optim/kind.py)."""
     transient_grads: bool
     """Gradient shards hold memory only between their reduce-scatter and their update."""
     state_dict_index: list[StateDictEntry]
@@ -101,7 +101,7 @@ def build(
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules, config.leaf_modules)
     groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
-    specs = state_specs(kind, config.optimizer.moments_dtype)
+    specs = kind.specs(config.optimizer.moments_dtype)
     planned = _plan_layouts(plans, group_of, pg.world_size, param_align(specs, PARAM_ALIGN_ELEMS))
     tiers = _Tiers(owner, config, pg, device, dtype, planned, specs)
     try:
@@ -118,7 +118,7 @@ def build(
     return Built(
         units=units, states=states, param_tier=tiers.param_tier,
         optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
-        param_groups=opt_groups, decoupled_weight_decay=kind == "AdamW", kind=kind,
+        param_groups=opt_groups, decoupled_weight_decay=kind.decoupled, kind=kind,
         transient_grads=transient_grad_shards(config, device.type == "cuda"),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
         placement=tiers.placement,

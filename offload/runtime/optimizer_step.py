@@ -69,7 +69,6 @@ from typing import Any, Optional
 
 import torch
 
-from offload.optim.kinds import HYPERPARAMS
 from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.optimizer_worker import OptimizerWorker
@@ -463,7 +462,7 @@ class StepPolicy:
     # -- helpers ---------------------------------------------------------------------------
 
     def _hyperparameters(self) -> list[tuple]:
-        keys = HYPERPARAMS[self.optimizer.kind]  # the optimizer type's (offload/optim/kinds.py)
+        keys = self.optimizer.record.hyperparams  # the optimizer type's (offload/optim/kind.py)
         return [
             tuple(tuple(g[k]) if k == "betas" else float(g[k]) for k in keys)
             for g in self.optimizer.param_groups

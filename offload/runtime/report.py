@@ -35,7 +35,6 @@ from typing import Any, Optional
 
 import torch
 
-from offload.optim.generic import GENERIC
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.monitors import Monitor, open_monitors
 from offload.runtime.timeline import StepStats
@@ -288,7 +287,7 @@ def _memory_text(memory: dict[str, int]) -> str:
 
 def _optimizer_threads(optimizer: Any, configured: int) -> str:
     """What runs the updates, and on how many threads (`offload.optim.threads`)."""
-    if optimizer.kind in GENERIC:
+    if optimizer.record.generic:
         return f"{optimizer.kind} through torch's class (torch's threads; cpu_adam_threads does not apply)"
     n = optimizer.threads
     how = " (cpu_adam_threads=0: this process's cores / LOCAL_WORLD_SIZE)" if configured == 0 else ""
