@@ -229,3 +229,26 @@ def test_config_and_deepspeed_sgd_run_torch_sgd_on_the_shards():
     translated = dataclasses.replace(translated, compute_device="cpu", precision=PrecisionConfig(dtype="fp32"))
     sd = trained(translated, "SGD", engine=offload.initialize(make_model(), translated))
     assert all(torch.equal(sd[k], want[k]) for k in want)
+
+
+def test_a_generic_kind_is_the_engines_own_record_not_a_module_table_entry():
+    """Issue #32: a generic kind used to be written into module tables (kinds.STATE_NAMES,
+    HYPERPARAMS, generic.GENERIC) at run time, so one engine's optimizer outlived it and
+    changed what the next engine's lookups found. Now it is a record built for the engine:
+    the native registry is read-only and unchanged, and two engines with different generic
+    classes each keep their own."""
+    from offload.optim import generic, kinds
+
+    before = dict(kinds.REGISTRY)
+    with pytest.raises(TypeError):
+        kinds.REGISTRY["SGD"] = kinds.REGISTRY["Adam"]  # type: ignore[index]
+    engines = []
+    for cls, hp in (CASES["SGD"], CASES["RMSprop"]):
+        model = make_model()
+        engines.append(offload.initialize(model, make_config(), optimizer=cls(model.parameters(), lr=LR, **hp)))
+    sgd, rms = (e.optimizer.record for e in engines)
+    assert sgd.generic and rms.generic and sgd.torch_class is torch.optim.SGD and rms.torch_class is torch.optim.RMSprop
+    assert sgd.state_names == ("momentum_buffer",) and rms.state_names == ("square_avg", "momentum_buffer", "grad_avg")
+    assert dict(kinds.REGISTRY) == before and not hasattr(generic, "GENERIC")
+    for e in engines:
+        e.close()
