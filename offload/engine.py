@@ -36,8 +36,9 @@ from offload.runtime.gathered import Gathering
 from offload.runtime.generation import mark_synced_generation, unmark_synced_generation
 from offload.runtime.grads import Gradients
 from offload.runtime.health import Health
-from offload.runtime.lifecycle import (
+from offload.runtime.lifecycle import (  # EngineState: importable from here, as before
     LIVE_ENGINES,
+    EngineState,
     drain_at_exit,
     bind,
     bind0,
@@ -60,7 +61,7 @@ from offload.units.deferred import suspended
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "initialize", "EngineState"]
 
 ConfigLike = Union[Config, Mapping[str, Any], str, "os.PathLike[str]", None]
 

@@ -18,9 +18,12 @@ import torch
 import offload
 from offload.config import ConfigError, load_config
 from offload.storage.placement import PARAM_TRAFFIC, STATE_TRAFFIC, Placement, choose_placement
+from offload.storage.tier_kind import TierKind
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
 from tests.test_engine import engine_train, fp32_bound
 from tests.test_nvme import CASES, slow_io, swap_dir_is_gone, tier_config  # noqa: F401 (fixture)
+
+NVME, CPU = TierKind.NVME, TierKind.CPU
 
 # -- the choice ----------------------------------------------------------------------------------
 
@@ -28,10 +31,11 @@ from tests.test_nvme import CASES, slow_io, swap_dir_is_gone, tier_config  # noq
 def test_parameter_shards_come_first_then_the_earliest_units_state():
     # 3 units: parameter shards of 10 B, states of 60 B. A budget of 95 B keeps all three
     # shards (3 B moved per byte kept) and one state (2 B per byte): unit 0's, the earliest.
-    p = choose_placement([10, 10, 10], [60, 60, 60], True, True, 95)
+    p = choose_placement([10, 10, 10], [60, 60, 60], NVME, NVME, 95)
     assert p.param_on_nvme == (False, False, False)
     assert p.state_on_nvme == (False, True, True)
-    assert p.kept_bytes([10] * 3, [60] * 3, True, True) == 90
+    assert p.param == (CPU,) * 3 and p.state == (CPU, NVME, NVME)  # one kind per unit: NVMe's ram_kind
+    assert p.kept_bytes([10] * 3, [60] * 3, NVME, NVME) == 90
     assert p.nvme_traffic([10] * 3, [60] * 3) == STATE_TRAFFIC * 120
     assert p.describe() == ("parameters: 3/3 units in RAM; optimizer state: 1/3 units in RAM "
                             "(units 0)")
@@ -39,27 +43,27 @@ def test_parameter_shards_come_first_then_the_earliest_units_state():
 
 def test_an_item_that_does_not_fit_is_skipped_and_smaller_ones_still_fill():
     # unit 0's state (100 B) does not fit in 70 B left; unit 1's (50 B) does.
-    p = choose_placement([0, 0], [100, 50], False, True, 70)
+    p = choose_placement([0, 0], [100, 50], CPU, NVME, 70)
     assert p.state_on_nvme == (True, False) and p.param_on_nvme == (False, False)
     # A tier that is not NVMe is never "kept": its units are in memory already.
-    assert p.kept_bytes([0, 0], [100, 50], False, True) == 50
+    assert p.kept_bytes([0, 0], [100, 50], CPU, NVME) == 50
 
 
 def test_no_budget_is_the_uniform_placement_and_a_full_budget_keeps_all():
     sizes = ([4, 4, 4, 4], [8, 8, 8, 8])
-    assert choose_placement(*sizes, True, True, 0) == Placement.uniform(4, True, True)
-    everything = choose_placement(*sizes, True, True, 48)
+    assert choose_placement(*sizes, NVME, NVME, 0) == Placement.uniform(4, NVME, NVME)
+    everything = choose_placement(*sizes, NVME, NVME, 48)
     assert not everything.any_nvme and not everything.mixed
-    assert choose_placement(*sizes, True, True, 47).mixed
+    assert choose_placement(*sizes, NVME, NVME, 47).mixed
     with pytest.raises(ValueError, match="negative"):
-        choose_placement(*sizes, True, True, -1)
+        choose_placement(*sizes, NVME, NVME, -1)
 
 
 def test_the_traffic_model_prefers_the_bytes_that_move_most():
     # One byte of RAM saves PARAM_TRAFFIC bytes on a parameter shard and STATE_TRAFFIC on a
     # state: with room for one of two equal items the parameter shard wins.
     assert PARAM_TRAFFIC > STATE_TRAFFIC
-    p = choose_placement([8], [8], True, True, 8)
+    p = choose_placement([8], [8], NVME, NVME, 8)
     assert p.param_on_nvme == (False,) and p.state_on_nvme == (True,)
 
 

@@ -494,7 +494,7 @@ def test_an_nvme_placement_keeps_units_in_the_ram_left_over_and_the_engine_agree
     assert "nvme" in (best.param_tier, best.optimizer_tier)
     assert 0 < p.ram_budget_bytes <= mem - _host_need(best, m)  # what it keeps fits the leftover
     assert p.split is not None and p.split != plan_mod.Placement.uniform(
-        len(p.split.param_on_nvme), best.param_tier == "nvme", best.optimizer_tier == "nvme")
+        len(p.split.param), plan_mod.TierKind(best.param_tier), plan_mod.TierKind(best.optimizer_tier))
     assert p.split_disk_bytes_per_step < best.disk_bytes_per_step
     assert p.config_snippet()["offload"]["ram_budget_bytes"] == p.ram_budget_bytes
     assert "host memory left over" in str(p) and p.to_dict()["split"]["disk_bytes_per_step"] > 0

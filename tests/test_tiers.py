@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.storage.nvme_tier import make_param_tier
+from offload.storage.tier_kind import TierKind, make_param_tier
 from offload.storage.tiers import DeviceTier, HostTier
 
 
@@ -60,8 +60,21 @@ def test_param_tier_choice():
     assert make_param_tier("cpu", cpu, True).kind == "host"
     with pytest.raises(ValueError, match="needs the rank's NVMe context"):
         make_param_tier("nvme", cpu, True)
-    with pytest.raises(ValueError, match="allowed"):
+    with pytest.raises(ValueError, match="offload.param_tier='disk'; allowed: 'device', 'cpu', 'nvme'"):
         make_param_tier("disk", cpu, True)
+
+
+def test_each_tier_kind_is_one_spec_and_its_factory_builds_its_class():
+    """Issue #32: placement, the builder, the planner and compat read the kind's spec instead
+    of matching "device"/"cpu"/"nvme" in each file."""
+    cpu = torch.device("cpu")
+    assert [k.value for k in TierKind] == ["device", "cpu", "nvme"]  # the config's names
+    assert [k.spec.on_disk for k in TierKind] == [False, False, True]
+    assert [k.spec.addressable for k in TierKind] == [True, True, False]
+    assert TierKind.NVME.spec.ram_kind is TierKind.CPU and TierKind.CPU.spec.ram_kind is TierKind.CPU
+    for kind in (TierKind.DEVICE, TierKind.CPU):
+        tier = make_param_tier(kind, cpu, False)
+        assert tier.addressable == kind.spec.addressable and tier.kind == kind.spec.bucket
 
 
 @pytest.mark.cuda

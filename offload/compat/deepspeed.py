@@ -384,7 +384,7 @@ class DeepSpeedEngine:
         return int(self.config.zero_stage)
 
     def zero_offload_param(self) -> bool:
-        return self.config.offload.param_tier != "device"
+        return TierKind.of(self.config.offload.param_tier) is not TierKind.DEVICE
 
     def zero_offload_optimizer(self) -> bool:
         return True
@@ -489,3 +489,4 @@ def _refuse_non_default(method: str, **given: tuple[Any, Any]) -> None:
 
 from offload.compat.deepspeed_utils import utils  # noqa: E402 - the documented path: offload.compat.deepspeed.utils
 from offload.compat.deepspeed_zero import zero  # noqa: E402 - offload.compat.deepspeed.zero
+from offload.storage.tier_kind import TierKind

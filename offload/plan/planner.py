@@ -43,6 +43,7 @@ from offload.plan.tier_bytes import (
 )
 from offload.sizes import format_bytes, format_count, parse_count
 from offload.storage.placement import Placement, choose_placement, unit_bytes
+from offload.storage.tier_kind import TierKind
 
 __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS"]
 
@@ -319,10 +320,15 @@ def plan(
         hints = _cheaper_options(model_or_params, machine, cfg, optimizer, dtype, moments, units,
                                  placements, estimates)
     budget, split, split_disk = 0, None, 0
-    if best is not None and "nvme" in (best.param_tier, best.optimizer_tier):
+    if best is not None and _on_disk(best.param_tier, best.optimizer_tier):
         budget, split, split_disk = _ram_split(spec, best, machine, p_bytes)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
                 best, reason, hints, budget, split, split_disk)
+
+
+def _on_disk(*tiers: str) -> bool:
+    """Whether any of these tiers (config names) keeps its bytes in swap files."""
+    return any(TierKind.of(t).spec.on_disk for t in tiers)
 
 
 def _ram_split(spec: Any, best: PlacementEstimate, m: Machine,
@@ -340,11 +346,11 @@ def _ram_split(spec: Any, best: PlacementEstimate, m: Machine,
         return 0, None, 0
     param_bytes, state_bytes = unit_bytes([u.layout for u in spec.units], p_bytes, spec.states,
                                           m.world_size)
-    param_nvme, state_nvme = best.param_tier == "nvme", best.optimizer_tier == "nvme"
-    split = choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
-    every = Placement.uniform(len(spec.units), param_nvme, state_nvme)
+    param_tier, state_tier = TierKind.of(best.param_tier), TierKind.of(best.optimizer_tier)
+    split = choose_placement(param_bytes, state_bytes, param_tier, state_tier, budget)
+    every = Placement.uniform(len(spec.units), param_tier, state_tier)
     saved = every.nvme_traffic(param_bytes, state_bytes) - split.nvme_traffic(param_bytes, state_bytes)
-    kept = split.kept_bytes(param_bytes, state_bytes, param_nvme, state_nvme)
+    kept = split.kept_bytes(param_bytes, state_bytes, param_tier, state_tier)
     if kept == 0:
         return 0, None, 0  # no unit fits in what is left
     return kept, split, max(0, best.disk_bytes_per_step - saved)
@@ -404,7 +410,7 @@ def _over(tier: str, need: int, cap: int) -> str:
 
 def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, ot: str) -> list[str]:
     out = []
-    if "nvme" in (pt, ot):
+    if _on_disk(pt, ot):
         if m.nvme_free_bytes is None:
             out.append("no NVMe (give --nvme-free / set offload.nvme_path)")
         elif node.nvme > m.nvme_free_bytes - m.nvme_reserve_bytes:

@@ -30,6 +30,7 @@ from typing import Any, Literal, Optional
 from offload.config import load_config
 from offload.plan.machine import Machine, format_size
 from offload.plan.planner import PLACEMENTS, Plan, plan
+from offload.storage.tier_kind import TierKind
 
 __all__ = ["StageChoice", "compare_stages", "STAGES"]
 
@@ -93,7 +94,7 @@ def compare_stages(model_or_params: Any, *, machine: Optional[Machine] = None, c
     cfg = load_config(config)
     plans: dict[int, Plan] = {}
     for stage in STAGES:
-        placements = PLACEMENTS if stage == 3 else tuple(p for p in PLACEMENTS if p[0] != "nvme")
+        placements = PLACEMENTS if stage == 3 else tuple(p for p in PLACEMENTS if not TierKind.of(p[0]).spec.on_disk)
         plans[stage] = plan(model_or_params, machine=machine, config=replace(cfg, zero_stage=stage),
                             placements=placements, **kw)
     m = plans[3].machine

@@ -25,6 +25,7 @@ from offload.optim.kinds import state_specs
 from offload.optim.sharded import host_state_bytes, resolve_param_groups
 from offload.sizes import align_up
 from offload.storage.state_layout import ADAM_STATE, StateSpec, param_align, uniform_specs
+from offload.storage.tier_kind import TierKind
 from offload.units.partition import plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, UnitLayout, layout_unit
 
@@ -182,8 +183,9 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
     - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
     """
     dev = host = nvme = 0
-    shard_in_host = param_tier == "cpu" or (param_tier == "device" and not on_gpu)
-    alias_master = p_bytes == 4 and shard_in_host and optimizer_tier == "cpu"
+    pk, ok = TierKind.of(param_tier).spec, TierKind.of(optimizer_tier, "offload.optimizer_tier").spec
+    shard_in_host = pk.bucket == "host" or (pk.bucket == "device" and not on_gpu)
+    alias_master = p_bytes == 4 and shard_in_host and not ok.on_disk
     staging = 0
     for u in spec.units:
         layout = u.layout
@@ -195,29 +197,27 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
         host += grad_b
         if alias_master:  # one buffer: the fp32 shard, the master its prefix
             host += host_state_bytes(shard * 4) + sum(host_state_bytes(b) for b in moments_b)
-        elif optimizer_tier == "cpu":
+        elif not ok.on_disk:
             host += host_state_bytes(master_b) + sum(host_state_bytes(b) for b in moments_b)
         else:
             nvme += align_up(master_b) + sum(align_up(b) for b in moments_b)
         if not alias_master:
             shard_b = shard * p_bytes
-            if param_tier == "nvme":
+            if pk.on_disk:
                 nvme += align_up(shard_b)
-            elif param_tier == "device" and on_gpu:
+            elif pk.bucket == "device":  # (a CPU run: the compute device is host memory, counted apart)
                 dev += shard_b
-            elif param_tier == "device":
-                dev += shard_b  # a CPU run: the compute device is host memory, counted apart
             else:
                 host += shard_b
-        if (p_bytes != 4 and param_tier == "device" and on_gpu and optimizer_tier == "cpu"
+        if (p_bytes != 4 and pk.bucket == "device" and on_gpu and not ok.on_disk
                 and layout.has_optimized):
             staging = max(staging, layout.shard_master_numel(rank) * p_bytes)
-    shard_on_compute = param_tier == "device" or (param_tier == "cpu" and not on_gpu)
+    shard_on_compute = pk.bucket == "device" or (pk.bucket == "host" and not on_gpu)
     if stage < 3 and not (world_size == 1 and shard_on_compute):
         dev += sum(u.layout.padded_numel * p_bytes for u in spec.units)  # resident full buffers
     dev += spec.buffer_bytes
     host += 2 * staging
-    pinned = pinned_budget_bytes if "nvme" in (param_tier, optimizer_tier) else 0
+    pinned = pinned_budget_bytes if pk.on_disk or ok.on_disk else 0
     return TierBytes(dev, host, pinned, nvme)
 
 
@@ -228,7 +228,8 @@ def working_bytes(spec: ModelSpec, param_tier: str, *, p_bytes: int, on_gpu: boo
     the end of backward), plus the largest other unit's full buffer, its gradients and the
     fp32 flat buffer its reduce-scatter uses. Prefetch (issue 7) adds up to
     `prefetch.prefetch_bytes + prefetch.keep_bytes` on top when it lands."""
-    shard_on_device = param_tier == "device" or (param_tier == "cpu" and not on_gpu)
+    bucket = TierKind.of(param_tier).spec.bucket
+    shard_on_device = bucket == "device" or (bucket == "host" and not on_gpu)
     aliased = world_size == 1 and shard_on_device
     fast_reduce = world_size == 1 and not on_gpu  # straight into the host grad shard
 
@@ -250,12 +251,14 @@ def disk_bytes_per_step(spec: ModelSpec, param_tier: str, optimizer_tier: str, *
     Lion and Adagrad half) read, and as much written, per trainable parameter; parameter shards on NVMe 2 B per gather (forward
     and backward) + 2 B written per trainable parameter, 2 B per gather for a frozen one,
     at a 2-byte compute dtype (scaled for others)."""
-    if "nvme" not in (param_tier, optimizer_tier):
+    params_on_disk = TierKind.of(param_tier).spec.on_disk
+    state_on_disk = TierKind.of(optimizer_tier, "offload.optimizer_tier").spec.on_disk
+    if not (params_on_disk or state_on_disk):
         return 0
     scale = p_bytes / 2
-    params_bytes = 6 * scale if param_tier == "nvme" else 0
-    opt_bytes = 2 * (4 + spec.state_bytes_per_element) if optimizer_tier == "nvme" else 0
+    params_bytes = 6 * scale if params_on_disk else 0
+    opt_bytes = 2 * (4 + spec.state_bytes_per_element) if state_on_disk else 0
     disk = int(spec.trainable_params / world_size * (opt_bytes + params_bytes))
-    if param_tier == "nvme" and spec.trainable_params < spec.params:
+    if params_on_disk and spec.trainable_params < spec.params:
         disk += int((spec.params - spec.trainable_params) / world_size * 4 * scale)
     return disk

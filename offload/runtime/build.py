@@ -45,7 +45,7 @@ from offload.sizes import align_up
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
 from offload.storage.state_layout import StateSpec, param_align
-from offload.storage.nvme_tier import make_param_tier
+from offload.storage.tier_kind import TierKind, make_param_tier
 from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
@@ -187,17 +187,18 @@ class _Tiers:
             raise error
 
     def _param_tier(self, off: Any, device: torch.device, dtype: torch.dtype, planned: Planned) -> Any:
-        on = self.placement.param_on_nvme
-        if off.param_tier != "nvme" or not any(on):
-            return make_param_tier("cpu" if off.param_tier == "nvme" else off.param_tier,
-                                   device, off.pin_memory)
+        """One tier per kind the placement uses; a split tier over RAM and disk when it uses two."""
+        kinds = self.placement.param
+        used = sorted(set(kinds), key=lambda k: k.spec.on_disk)  # the RAM part first
+        if len(used) == 1 and not used[0].spec.on_disk:
+            return make_param_tier(used[0], device, off.pin_memory)
         keys = [((i, "param"), lay.shard_numel, dtype)
-                for i, (_, lay, _) in enumerate(planned) if on[i]]
-        nvme = make_param_tier("nvme", device, off.pin_memory, nvme=self.nvme, shards=keys)
-        if all(on):
-            return nvme
-        host = make_param_tier("cpu", device, off.pin_memory)
-        return SplitTier(host, nvme, [k for k, _, _ in keys])
+                for i, (_, lay, _) in enumerate(planned) if kinds[i].spec.on_disk]
+        disk = make_param_tier(TierKind.of(off.param_tier), device, off.pin_memory, nvme=self.nvme, shards=keys)
+        if len(used) == 1:
+            return disk
+        ram = make_param_tier(used[0], device, off.pin_memory)
+        return SplitTier(ram, disk, [k for k, _, _ in keys])
 
     def unit_tier(self, index: int) -> Any:
         """The tier unit `index`'s parameter shard lives in (a part of a split tier)."""
@@ -212,17 +213,19 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype,
     Sizes are the largest rank's (shards differ only by padding), so that every rank makes
     the same choice."""
     off = config.offload
-    param_nvme, state_nvme = off.param_tier == "nvme", off.optimizer_tier == "nvme"
+    param_tier = TierKind.of(off.param_tier)
+    state_tier = TierKind.of(off.optimizer_tier, "offload.optimizer_tier")
+    param_nvme, state_nvme = param_tier.spec.on_disk, state_tier.spec.on_disk
     n = len(planned)
     if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
-        return Placement.uniform(n, param_nvme, state_nvme)
+        return Placement.uniform(n, param_tier, state_tier)
     param_bytes, state_bytes = unit_bytes([lay for _, lay, _ in planned], dtype.itemsize,
                                           specs, pg.world_size)
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
         budget = int(off.ram_fraction * on_disk)
-    return choose_placement(param_bytes, state_bytes, param_nvme, state_nvme, budget)
+    return choose_placement(param_bytes, state_bytes, param_tier, state_tier, budget)
 
 
 def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tuple[StateSpec, ...],

@@ -14,9 +14,9 @@ import torch
 
 from offload.sizes import ALIGNMENT
 from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
-from offload.storage.tiers import DeviceTier, HostTier, Tier, check_prefix
+from offload.storage.tiers import Tier, check_prefix
 
-__all__ = ["NVMeTier", "ReadAhead", "make_param_tier"]
+__all__ = ["NVMeTier", "ReadAhead"]
 
 
 class NVMeTier(Tier):
@@ -397,26 +397,3 @@ def _direct_ok(t: torch.Tensor) -> bool:
         and t.data_ptr() % ALIGNMENT == 0
         and (t.numel() * t.element_size()) % ALIGNMENT == 0
     )
-
-
-def make_param_tier(
-    param_tier: str,
-    compute_device: torch.device,
-    pin_memory: bool,
-    nvme: Optional[NVMeContext] = None,
-    shards: Sequence[tuple[Hashable, int, torch.dtype]] = (),
-) -> Tier:
-    """The tier for low-precision parameter shards, from `config.offload.param_tier`.
-    'nvme' needs the rank's `NVMeContext` and every shard (key, numel, dtype) up front."""
-    if param_tier == "device":
-        return DeviceTier(compute_device)
-    if param_tier == "cpu":
-        return HostTier(pin_memory=pin_memory and compute_device.type == "cuda")
-    if param_tier == "nvme":
-        if nvme is None:
-            raise ValueError(
-                "offload.param_tier='nvme' needs the rank's NVMe context (swap directory, AIO "
-                "handle, staging pool); offload.initialize builds it from offload.nvme_path"
-            )
-        return NVMeTier(nvme, shards)
-    raise ValueError(f"offload.param_tier={param_tier!r}; allowed: 'device', 'cpu', 'nvme'")

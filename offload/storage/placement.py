@@ -3,8 +3,8 @@
 `offload.param_tier='nvme'` and `offload.optimizer_tier='nvme'` put every unit's parameter
 shard, or optimizer state, in the swap files. Host memory left over is better spent
 keeping some of them: a byte kept in RAM is a byte the step does not move through the disk.
-`Placement` says, per unit, whether its parameter shard and its optimizer state are on
-NVMe; `choose_placement` fills a host-memory budget (`offload.ram_budget_bytes`, or
+`Placement` says, per unit, which kind of tier (`TierKind`) holds its parameter shard and
+which its optimizer state; `choose_placement` fills a host-memory budget (`offload.ram_budget_bytes`, or
 `offload.ram_fraction` of the NVMe bytes) with the bytes that save the most disk traffic
 per step:
 
@@ -30,6 +30,7 @@ from typing import Optional, Protocol, Sequence
 
 from offload.sizes import align_up
 from offload.storage.state_layout import StateSpec, state_layout
+from offload.storage.tier_kind import TierKind
 
 __all__ = ["PARAM_TRAFFIC", "STATE_TRAFFIC", "Placement", "choose_placement", "unit_bytes"]
 
@@ -41,15 +42,26 @@ STATE_TRAFFIC = 2
 
 @dataclass(frozen=True)
 class Placement:
-    """Per unit (by index): whether its parameter shard, and its optimizer state, are on NVMe."""
+    """Per unit (by index): the kind of tier holding its parameter shard, and its optimizer
+    state (a kind of the config's tier, or that kind's `ram_kind` where RAM keeps it)."""
 
-    param_on_nvme: tuple[bool, ...]
-    state_on_nvme: tuple[bool, ...]
+    param: tuple[TierKind, ...]
+    state: tuple[TierKind, ...]
 
     @classmethod
-    def uniform(cls, n_units: int, param_nvme: bool, state_nvme: bool) -> "Placement":
-        """Every unit alike: today's all-or-nothing tiers."""
-        return cls((param_nvme,) * n_units, (state_nvme,) * n_units)
+    def uniform(cls, n_units: int, param: TierKind, state: TierKind) -> "Placement":
+        """Every unit in its tier: no RAM budget."""
+        return cls((param,) * n_units, (state,) * n_units)
+
+    @property
+    def param_on_nvme(self) -> tuple[bool, ...]:
+        """Per unit: whether its parameter shard is on disk."""
+        return tuple(k.spec.on_disk for k in self.param)
+
+    @property
+    def state_on_nvme(self) -> tuple[bool, ...]:
+        """Per unit: whether its optimizer state is on disk."""
+        return tuple(k.spec.on_disk for k in self.state)
 
     @property
     def any_nvme(self) -> bool:
@@ -58,15 +70,15 @@ class Placement:
     @property
     def mixed(self) -> bool:
         """Some units of one kind in RAM and others on NVMe."""
-        return any(len(set(v)) > 1 for v in (self.param_on_nvme, self.state_on_nvme))
+        return any(len(set(v)) > 1 for v in (self.param, self.state))
 
     def kept_bytes(self, param_bytes: Sequence[int], state_bytes: Sequence[int],
-                   param_tier_nvme: bool, state_tier_nvme: bool) -> int:
-        """Host bytes the placement keeps out of an NVMe tier."""
+                   param_tier: TierKind, state_tier: TierKind) -> int:
+        """Host bytes the placement keeps out of a tier on disk."""
         kept = 0
-        if param_tier_nvme:
+        if param_tier.spec.on_disk:
             kept += sum(b for b, on in zip(param_bytes, self.param_on_nvme) if not on)
-        if state_tier_nvme:
+        if state_tier.spec.on_disk:
             kept += sum(b for b, on in zip(state_bytes, self.state_on_nvme) if not on)
         return kept
 
@@ -114,33 +126,32 @@ def unit_bytes(layouts: Sequence[ShardSizes], param_itemsize: int, specs: Sequen
 def choose_placement(
     param_bytes: Sequence[int],
     state_bytes: Sequence[int],
-    param_tier_nvme: bool,
-    state_tier_nvme: bool,
+    param_tier: TierKind,
+    state_tier: TierKind,
     budget_bytes: int,
 ) -> Placement:
     """Keep in host memory, within `budget_bytes`, the units' parameter shards (`param_bytes`,
-    when `param_tier_nvme`) and optimizer states (`state_bytes`, when `state_tier_nvme`)
-    that save the most disk traffic per byte kept (see the module docstring). A tier that is
-    not NVMe keeps all its units where they are (in memory: `*_on_nvme` False)."""
+    when `param_tier` is on disk) and optimizer states (`state_bytes`, when `state_tier` is)
+    that save the most disk traffic per byte kept (see the module docstring); a unit kept
+    goes to its tier's `ram_kind`. A tier in memory keeps all its units where they are."""
     if len(param_bytes) != len(state_bytes):
         raise ValueError(f"{len(param_bytes)} parameter sizes for {len(state_bytes)} state sizes")
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes={budget_bytes} is negative")
     n = len(param_bytes)
-    param_nvme = [param_tier_nvme] * n
-    state_nvme = [state_tier_nvme] * n
+    param, state = [param_tier] * n, [state_tier] * n
     # (traffic saved per byte, then the earliest unit, then parameters before state)
-    items: list[tuple[int, int, int, list[bool], int]] = []
-    if param_tier_nvme:
-        items += [(-PARAM_TRAFFIC, i, 0, param_nvme, int(b)) for i, b in enumerate(param_bytes)]
-    if state_tier_nvme:
-        items += [(-STATE_TRAFFIC, i, 1, state_nvme, int(b)) for i, b in enumerate(state_bytes)]
+    items: list[tuple[int, int, int, list[TierKind], TierKind, int]] = []
+    if param_tier.spec.on_disk:
+        items += [(-PARAM_TRAFFIC, i, 0, param, param_tier.spec.ram_kind, int(b)) for i, b in enumerate(param_bytes)]
+    if state_tier.spec.on_disk:
+        items += [(-STATE_TRAFFIC, i, 1, state, state_tier.spec.ram_kind, int(b)) for i, b in enumerate(state_bytes)]
     left = int(budget_bytes)
-    for _, i, _, flags, size in sorted(items, key=lambda t: t[:3]):
+    for _, i, _, kinds, ram, size in sorted(items, key=lambda t: t[:3]):
         if size <= left:
-            flags[i] = False
+            kinds[i] = ram
             left -= size
-    return Placement(tuple(param_nvme), tuple(state_nvme))
+    return Placement(tuple(param), tuple(state))
 
 
 def _ranges(indices: list[int]) -> str:
