@@ -12,6 +12,7 @@ files are deleted by `close()` (also on `with` exit, at garbage collection and a
 
 from __future__ import annotations
 
+import contextvars
 import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -22,13 +23,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import offload.units.collectives as _dist
+from offload.checkpoint.shards import CheckpointStaging
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
 from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
 from offload.optim.threads import resolve_threads
 from offload.runtime.accounting import device_tensors, memory_bytes
-from offload.runtime.activations import configure as configure_activations
+from offload.runtime.activations import ActivationSettings, enter_engine, leave_engine
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.build import build
 from offload.runtime.gather import Gatherer
@@ -135,11 +137,13 @@ class Engine:
         self._hooks: list[Any] = []
         self._at_exit = drain_at_exit(self)  # a script that ends without close()
         self.residency = DeviceResidency()
+        self.checkpoint_staging = CheckpointStaging()  # I/O buffers kept between checkpoints
 
         check_weights_present(model)
         check_monitors(config.monitors)  # a missing library fails here, before the build
-        if config.activation_checkpointing.cpu_offload:  # offload.checkpointing's default
-            configure_activations(config.activation_checkpointing)
+        # offload.checkpointing's default while this engine's forward runs (runtime/activations.py)
+        self._activations = ActivationSettings(cpu_offload=True) if config.activation_checkpointing.cpu_offload else None
+        self._in_forward: Optional[contextvars.Token] = None
         built = build(self, model, config, self.pg, self.device, self.dtype, optimizer)
         self._close_nvme = built.close_nvme
         self.units, self.states = built.units, built.states
@@ -159,7 +163,7 @@ class Engine:
         self.backward_tracker = BackwardTracker(self.units, self.states, built.transient_grads,
                                                 self.timeline, self.gather.compute_started,
                                                 share_scratch=self.policy.worker is None)
-        self.policy.lr_scheduler = resolve_scheduler(self.optimizer, lr_scheduler, config.scheduler)
+        self.policy.set_scheduler(resolve_scheduler(self.optimizer, lr_scheduler, config.scheduler))
         self.grads = Gradients(model, self.units, self.states, self.policy, self.pg, self.device)
         self.param_state = ParamState(self.grads, self.units, self.optimizer, self.pg, self.device, self.policy)
         self.sharded_state = ShardedState(
@@ -167,7 +171,7 @@ class Engine:
             device=self.device, dtype=self.dtype, units=self.units, states=self.states,
             optimizer=self.optimizer, param_tier=self.param_tier,
             optimizer_states=built.optimizer_states, nvme=self.nvme, scaler=self.policy.scaler,
-            counters=self.policy.counters, lr_scheduler=self.policy.lr_scheduler,
+            counters=self.policy.counters, schedule=self.policy.schedule,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
         self._register_hooks()
@@ -203,6 +207,7 @@ class Engine:
             self.grads.check_requires_grad()  # [Note: requires_grad after initialize]
             args, kwargs = cast_inputs(args, kwargs, self.device, self.dtype)
             self.gather.begin_iteration(self.policy.step_index, self.module.training)
+            self._in_forward = enter_engine(self._activations)
         self.gather.use(unit, Phase.RECOMPUTE if tracker.active else Phase.FORWARD)
         if tracker.is_recomputation(unit) or not torch.is_grad_enabled():
             return args, kwargs
@@ -218,6 +223,9 @@ class Engine:
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> Any:
         if self.backward_tracker.active:
             return None  # recomputation: stays gathered until the unit's post-backward
+        if unit.index == ROOT and self._in_forward is not None:
+            leave_engine(self._in_forward)  # this engine's activation settings end with its forward
+            self._in_forward = None
         if self.timeline.enabled:
             self.timeline.add(f"fwd {unit.name or '<root>'}", "compute", "compute",
                               self.gather.compute_started(unit), now(), unit.index)
@@ -243,7 +251,7 @@ class Engine:
                 self.gather.keep_new_shards_for_next_iteration()
             # With the optimizer worker, gradient shards come down from the GPU on a side
             # stream; the worker waits for each (offload/runtime/optimizer_worker.py).
-            self.backward_tracker.async_grads = self.policy.async_updates and self.device.type == "cuda"
+            self.backward_tracker.copy_grads_async(self.policy.async_updates and self.device.type == "cuda")
         self.gather.use(unit, Phase.BACKWARD)
         self.backward_tracker.entered(unit)
         if self.policy.mode is StepMode.IN_BACKWARD:
@@ -274,10 +282,9 @@ class Engine:
             self.gather.prefetch_next_iteration()  # the next micro-batch sees the same shards
 
     def _abort_backward(self) -> None:
-        self.policy.settle()  # the worker's updates end first; the backward's own error is raised
+        self.policy.abort_backward()  # the worker's updates end first; the backward's own error is raised
         self.gather.abort()
         self.backward_tracker.abort()
-        self.policy.mode = StepMode.AT_STEP
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -325,7 +332,7 @@ class Engine:
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
         """Whether the coming micro-batch ends an accumulation window (DeepSpeed's method):
         set before its backward; None counts to gradient_accumulation_steps again."""
-        self.policy.boundary = is_boundary
+        self.policy.set_boundary(is_boundary)
 
     def step(self) -> None:
         """Advance one micro-batch; at an accumulation boundary apply the optimizer step.
@@ -391,7 +398,7 @@ class Engine:
     @lr_scheduler.setter
     def lr_scheduler(self, scheduler: Any) -> None:
         """A scheduler over `engine.optimizer`: stepped at every applied step, checkpointed."""
-        self.policy.lr_scheduler = self.sharded_state.lr_scheduler = scheduler
+        self.policy.set_scheduler(scheduler)  # the checkpoint view shares its Schedule
 
     @property
     def loss_scale(self) -> float:
@@ -473,7 +480,7 @@ class Engine:
         from offload.checkpoint import save_checkpoint
 
         self.health.check_ready("engine.save_checkpoint")
-        return save_checkpoint(self.sharded_state, save_dir, tag, client_state)
+        return save_checkpoint(self.sharded_state, save_dir, tag, client_state, staging=self.checkpoint_staging)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -488,7 +495,8 @@ class Engine:
         self.health.recover()  # after a failed step: the writes in flight settle first
         self.gather.drop()  # shards fetched ahead are about to go stale
         out = load_checkpoint(self.sharded_state, load_dir, tag, copy_to_swap=copy_to_swap,
-                              parts=LoadParts(load_optimizer_states, load_lr_scheduler_states, load_module_only))
+                              parts=LoadParts(load_optimizer_states, load_lr_scheduler_states, load_module_only),
+                              staging=self.checkpoint_staging)
         self.health.ready()
         return out
 
@@ -542,6 +550,7 @@ class Engine:
             # The parameter tier kept the weights (NVMe): the closed model has none. Say so
             # on its next forward instead of torch's setStorage error.
             self.module.register_forward_pre_hook(forward_of_a_closed_model)
+        self.checkpoint_staging.close()
         if self._close_nvme is not None:
             self._close_nvme()  # NVMeContext.close, once
         if self.pg.started_here and dist.is_initialized():

@@ -154,13 +154,58 @@ def _both(rank: int, world_size: int) -> tuple[dict, dict, bool]:
 def test_through_the_engine_equals_torch_checkpointing(world_size: int) -> None:
     results = [_both(0, 1)] if world_size == 1 else run_distributed(_both, 2)
     for got, want, configured in results:
-        assert configured  # the engine's config set offload.checkpointing's default
+        assert not configured  # the engine's config is its own: nothing process-wide (issue #32)
         assert list(got) == list(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k
     torch.manual_seed(0)
     initial = GPT(n_layer=3).state_dict()
     assert not torch.equal(results[0][0]["blocks.0.qkv.weight"], initial["blocks.0.qkv.weight"])
+
+
+class _Probe(torch.nn.Module):
+    """Records offload.checkpointing's settings in force while its forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(ckpt.in_force().cpu_offload)
+        for layer in self.layers:
+            x = ckpt.checkpoint(layer, x)
+        return x.square().mean()
+
+
+def test_an_engines_activation_settings_hold_during_its_forward_only() -> None:
+    """Issue #32: an engine with activation_checkpointing.cpu_offload used to set the
+    process-wide default at initialize, so every other model's checkpoints (another engine's,
+    a plain torch model's) offloaded too, for the rest of the process."""
+    ckpt.reset()
+    cfg = {"offload": {"param_tier": "cpu", "optimizer_tier": "cpu"}, "precision": {"dtype": "fp32"}}
+    on = offload.initialize(_Probe(), {**cfg, "activation_checkpointing": {"cpu_offload": True}})
+    off = offload.initialize(_Probe(), cfg)
+    plain = _Probe()
+    x = torch.randn(2, 4, requires_grad=True)
+    def run(model: Any) -> None:
+        if model is plain:
+            model(x).backward()
+        else:
+            model.backward(model(x))
+            model.step()
+
+    for model in (on, off, plain, on, plain):
+        run(model)
+    assert on.module.seen == [True, True]
+    assert off.module.seen == [False] and plain.seen == [False, False]
+    assert not ckpt.is_configured() and not ckpt.in_force().cpu_offload
+    ckpt.configure(cpu_offload=True)  # the process-wide default (DeepSpeed's configure) still works
+    run(off)
+    assert off.module.seen == [False, True]
+    ckpt.reset()
+    on.close()
+    off.close()
 
 
 def test_deepspeed_activation_checkpointing_block_translates() -> None:

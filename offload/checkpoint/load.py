@@ -70,7 +70,7 @@ from offload.storage.state_layout import StateSpec, UnitTensors
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DEFAULT_WINDOW,
-    CheckpointIO,
+    CheckpointStaging,
     CheckpointCorruptError,
     ReadJob,
     ShardReader,
@@ -101,10 +101,12 @@ class LoadParts:
 def load_checkpoint(
     sharded: ShardedState, load_dir: str, tag: Optional[str] = None, *,
     window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None, parts: LoadParts = LoadParts(),
+    staging: Optional[CheckpointStaging] = None,
 ) -> tuple[str, Any]:
     """Load `load_dir/<tag>` (default: the tag `latest` names) into `sharded` (the engine's
     state). Every rank must call it. Returns (checkpoint path, this rank's client_state).
-    `copy_to_swap`: see `Engine.load_checkpoint`."""
+    `copy_to_swap`: see `Engine.load_checkpoint`. `staging`: the engine's (None: one for
+    this call)."""
     if copy_to_swap not in (None, True, False):
         raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
     refuse_while_gathered(sharded.units, "engine.load_checkpoint")
@@ -128,8 +130,13 @@ def load_checkpoint(
         )
     sharded.sync_device()
     sharded.optimizer.clear_grads()  # gradients of the interrupted step go
-    load_units(sharded, path, saved, small["slot_steps"], window=window, copy_to_swap=copy_to_swap,
-               moments=parts.moments)
+    io = staging or CheckpointStaging()
+    try:
+        load_units(sharded, path, saved, small["slot_steps"], io, window=window, copy_to_swap=copy_to_swap,
+                   moments=parts.moments)
+    finally:
+        if staging is None:
+            io.close()
     _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"], parts=parts)
     return path, small["client_state"]
 
@@ -151,14 +158,15 @@ def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, An
 
 def load_units(
     sharded: ShardedState, path: str, saved: dict[str, Any], steps_by_name: dict[str, int],
-    *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None, moments: bool = True,
+    staging: CheckpointStaging, *, window: int = DEFAULT_WINDOW, copy_to_swap: Optional[bool] = None,
+    moments: bool = True,
 ) -> None:
     """Every unit's master and moments (this rank's shard under the current layout) from
     checkpoint `path` into the optimizer's store, with per-parameter step counts from
     `steps_by_name` (0 for a name not there). `moments` False: the masters (and frozen
     values) only, stored with this engine's own moments and step counts. See the module
     docstring."""
-    staging = CheckpointIO.of(sharded.optimizer, sharded.config.aio, 0.0, saved["chunk_bytes"], window)
+    staging_io = staging.get(sharded.config.aio, 0.0, saved["chunk_bytes"], window)
     old_units = {u["name"]: u for u in saved["model"]["units"]}
     records = manifest.records_by_rank(path, saved)
     pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -231,7 +239,7 @@ def load_units(
 
     try:
         with _one_torch_thread():
-            reader = ShardReader(staging.handle, saved["chunk_bytes"], window, staging.ring)
+            reader = ShardReader(staging_io.handle, saved["chunk_bytes"], window, staging_io.ring)
             reader.run(groups(), on_done, max_open_groups=_open_units(sharded, in_place))
     finally:
         for index, t in slots.items():  # a failed load: buffers back, nothing written

@@ -46,7 +46,7 @@ import torch
 
 from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
-from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointIO
+from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointStaging
 from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.view import Location, ShardedState
 from offload.units import collectives as _dist
@@ -60,10 +60,12 @@ def save_checkpoint(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     window: int = DEFAULT_WINDOW,
+    staging: Optional[CheckpointStaging] = None,
 ) -> str:
     """Write a checkpoint of `sharded` (the engine's state) to `save_dir/<tag>` and point
     `save_dir/latest` at it. Every rank must call it. Returns the checkpoint's path. See the
-    module docstring."""
+    module docstring. `staging`: the engine's, kept between checkpoints (None: one for this
+    call)."""
     save_dir = os.fspath(save_dir)
     tag = files.check_tag(tag if tag is not None else f"global_step{sharded.counters.global_steps}")
     if any(st.grad_valid for st in sharded.states):
@@ -104,7 +106,12 @@ def save_checkpoint(
     outcome: Any
     own_error: Optional[BaseException] = None
     try:
-        outcome = ("ok", _write_rank(sharded, tmp, client_state, chunk_bytes, window))
+        io = staging or CheckpointStaging()
+        try:
+            outcome = ("ok", _write_rank(sharded, tmp, client_state, chunk_bytes, window, io))
+        finally:
+            if staging is None:
+                io.close()
     except BaseException as exc:
         own_error = exc
         outcome = ("error", _describe(exc, f"rank {rank} failed writing checkpoint {tag!r}"))
@@ -167,12 +174,13 @@ def save_checkpoint(
 
 
 def _write_rank(
-    sharded: ShardedState, tmp: str, client_state: Any, chunk_bytes: int, window: int
+    sharded: ShardedState, tmp: str, client_state: Any, chunk_bytes: int, window: int,
+    io: CheckpointStaging,
 ) -> dict[str, Any]:
     """This rank's two files in `tmp`; returns their records for the manifest."""
     rank = sharded.rank
     shards_path = os.path.join(tmp, files.shard_file(rank))
-    staging = CheckpointIO.of(sharded.optimizer, sharded.config.aio, files.io_delay_s(), chunk_bytes, window)
+    staging = io.get(sharded.config.aio, files.io_delay_s(), chunk_bytes, window)
     writer = ShardWriter(staging.handle, shards_path, chunk_bytes, window, staging.ring)
     # NVMe: read the next unit's state from the swap file while this one is written.
     states = _UnitStates(sharded.optimizer, ahead=not state_in_host_memory(sharded))

@@ -4,7 +4,8 @@
     x = checkpoint(block, x)          # torch.utils.checkpoint.checkpoint, plus:
 
 With `cpu_offload` (config `activation_checkpointing.cpu_offload`, DeepSpeed's
-`activation_checkpointing.cpu_checkpointing`), a checkpointed region's tensor inputs - the
+`activation_checkpointing.cpu_checkpointing`: in force while that engine's forward runs; or
+`configure(cpu_offload=True)` / DeepSpeed's `checkpointing.configure`, process-wide), a checkpointed region's tensor inputs - the
 only activations a checkpointed model keeps between its forward and its backward - are
 copied to pinned host memory during the forward, and the device copies are let go. In
 backward, just before the region is recomputed, they are copied back; and while it is
@@ -34,6 +35,7 @@ there is nothing to partition: the config translation says so.
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -43,7 +45,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from offload.devices import side_stream
 
-__all__ = ["checkpoint", "configure", "is_configured", "reset", "ActivationSettings"]
+__all__ = ["checkpoint", "configure", "is_configured", "reset", "ActivationSettings", "enter_engine", "leave_engine",
+           "in_force"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,14 @@ class ActivationSettings:
 
 
 _SETTINGS: Optional[ActivationSettings] = None
-"""Set by `configure` (an engine's config, or DeepSpeed's `checkpointing.configure`)."""
+"""Set by `configure` (the user's, or DeepSpeed's `checkpointing.configure`): process-wide,
+as DeepSpeed's is."""
+
+_ENGINE_SETTINGS: contextvars.ContextVar[Optional[ActivationSettings]] = contextvars.ContextVar(
+    "offload_engine_activation_settings", default=None)
+"""The settings of the engine whose forward is running (its config's
+`activation_checkpointing`): they win over `configure`'s while it runs, and only then, so one
+engine's config never changes another model's checkpoints."""
 
 _PENDING: list["weakref.ReferenceType[_Region]"] = []
 """Regions whose inputs are on the host, in forward order: backward recomputes them in
@@ -68,6 +78,21 @@ def configure(settings: Any = None, *, cpu_offload: Optional[bool] = None) -> No
     if cpu_offload is not None:
         value = bool(cpu_offload)
     _SETTINGS = ActivationSettings(cpu_offload=value)
+
+
+def enter_engine(settings: Optional[ActivationSettings]) -> contextvars.Token:
+    """An engine's forward begins: its settings (None: `configure`'s) are in force."""
+    return _ENGINE_SETTINGS.set(settings)
+
+
+def leave_engine(token: contextvars.Token) -> None:
+    _ENGINE_SETTINGS.reset(token)
+
+
+def in_force() -> ActivationSettings:
+    """The settings `checkpoint` uses now: the running engine's, else `configure`'s, else the
+    defaults."""
+    return _ENGINE_SETTINGS.get() or _SETTINGS or ActivationSettings()
 
 
 def is_configured() -> bool:
@@ -86,7 +111,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, cpu_offload: Optional[b
     """`torch.utils.checkpoint.checkpoint(function, *args, **kwargs)` (non-reentrant); with
     `cpu_offload` (default: `configure`'s) its tensor inputs wait for the recomputation in
     host memory (module docstring)."""
-    offload = (_SETTINGS.cpu_offload if _SETTINGS is not None else False) if cpu_offload is None else cpu_offload
+    offload = in_force().cpu_offload if cpu_offload is None else cpu_offload
     if use_reentrant:
         if offload:
             raise ValueError("checkpoint(cpu_offload=True) needs the non-reentrant checkpoint; "

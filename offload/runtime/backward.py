@@ -244,6 +244,11 @@ class BackwardTracker:
             done.append(unit)
         return done
 
+    def copy_grads_async(self, on: bool) -> None:
+        """Whether this backward's gradient shards come down from the GPU on a side stream
+        (the optimizer worker waits for each), set as each backward pass starts."""
+        self.async_grads = on
+
     def has_work(self) -> bool:
         return self.active or any(t.state is not UnitPass.IDLE for t in self._tracks)
 

@@ -73,7 +73,7 @@ from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.optimizer_worker import OptimizerWorker
 from offload.runtime.timeline import Timeline, now
-from offload.runtime.view import StepCounters
+from offload.runtime.view import Schedule, StepCounters
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.shard import FlatUnit
 
@@ -108,7 +108,8 @@ class StepPolicy:
         self.boundary: Optional[bool] = None
         """Set by `engine.set_gradient_accumulation_boundary`: whether the current micro-batch
         ends an accumulation window, instead of counting micro-batches (None: count)."""
-        self.lr_scheduler: Any = None
+        self.schedule = Schedule()
+        """The LR scheduler (`set_scheduler`); the checkpoint view shares this object."""
         self.mode = StepMode.AT_STEP
         self.boundary_passes = 0
         """Backward passes begun at an accumulation boundary since the last `engine.step()`
@@ -143,6 +144,25 @@ class StepPolicy:
         offload/runtime/optimizer_worker.py); None: they run where they are asked for."""
 
     # -- micro-batches -------------------------------------------------------------------
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.schedule.scheduler
+
+    def set_scheduler(self, scheduler: Any) -> None:
+        """A scheduler over the engine's optimizer, stepped at every applied step."""
+        self.schedule.scheduler = scheduler
+
+    def set_boundary(self, is_boundary: Optional[bool]) -> None:
+        """`engine.set_gradient_accumulation_boundary`: whether the coming micro-batch ends
+        an accumulation window (None: count to gradient_accumulation_steps again)."""
+        self.boundary = is_boundary
+
+    def abort_backward(self) -> None:
+        """A backward pass that died: the worker's updates land first, then the next pass
+        starts from AT_STEP."""
+        self.settle()
+        self.mode = StepMode.AT_STEP
 
     def is_boundary(self) -> bool:
         if self.boundary is not None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["StepCounters", "Location", "StateDictEntry", "ShardedState"]
+__all__ = ["StepCounters", "Schedule", "Location", "StateDictEntry", "ShardedState"]
 
 
 @dataclass
@@ -30,6 +30,15 @@ class StepCounters:
     skipped_steps: int = 0
     """Optimizer steps skipped (fp16 overflow, a non-finite loss or gradient norm)."""
     last_grad_norm: Optional[float] = None
+
+
+@dataclass
+class Schedule:
+    """The LR scheduler stepped at every applied optimizer step (None: none). Owned by the
+    optimizer-step policy (`StepPolicy.set_scheduler`, its only writer); the view holds the
+    same object, so checkpoints save and restore the scheduler the policy steps."""
+
+    scheduler: Any = None
 
 
 class Location(Enum):
@@ -82,7 +91,11 @@ class ShardedState:
     """For each key of `module.state_dict()`, in order: what holds its value."""
     buffer_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
     """id(buffer) -> the dtype the model gave it (buffers run in the compute dtype)."""
-    lr_scheduler: Any = None
+    schedule: Schedule = field(default_factory=Schedule)
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.schedule.scheduler
 
     def sync_device(self) -> None:
         """Wait for the compute device's queued work (host-to-device copies read host shards
