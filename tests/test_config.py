@@ -7,6 +7,8 @@ import dataclasses
 import json
 
 import pytest
+
+import offload.config
 import yaml
 
 from offload.config import (
@@ -70,6 +72,7 @@ def test_to_dict_is_json_and_yaml_serialisable(tmp_path):
         path = tmp_path / name
         path.write_text(dump(config.to_dict()))
         assert Config.from_file(path) == config
+        assert offload.config.from_file(path) == config  # the function Config.from_file aliases
         assert load_config(str(path)) == config
         assert load_config(path) == config
 

@@ -10,7 +10,7 @@ Modules, bottom to top: `checks` (errors, value checks, the `Section` base) -> `
 """
 
 from offload.config.checks import ConfigError, ConfigTypeError, DeepSpeedConfigWarning
-from offload.config.load import load_config, read_config_file
+from offload.config.load import from_deepspeed, from_file, load_config, read_config_file
 from offload.config.sections import (
     SCHEDULER_PARAMS,
     ActivationCheckpointingConfig,
@@ -33,6 +33,6 @@ __all__ = [
     "Config", "OffloadConfig", "OptimizerConfig", "SchedulerConfig", "PrecisionConfig",
     "AIOConfig", "PrefetchConfig", "TimelineConfig", "LoggingConfig", "MonitorsConfig",
     "TensorBoardConfig", "WandbConfig", "CSVMonitorConfig", "ConfigError", "ConfigTypeError",
-    "DeepSpeedConfigWarning", "load_config", "read_config_file", "SCHEDULER_PARAMS",
+    "DeepSpeedConfigWarning", "load_config", "read_config_file", "from_file", "from_deepspeed", "SCHEDULER_PARAMS",
     "ActivationCheckpointingConfig",
 ]

@@ -20,7 +20,7 @@ from offload.config.deepspeed import translate_deepspeed
 from offload.config.deepspeed_keys import DS_ONLY_TOP_KEYS
 from offload.config.sections import Config
 
-__all__ = ["load_config", "read_config_file", "is_deepspeed_config"]
+__all__ = ["load_config", "read_config_file", "is_deepspeed_config", "from_file", "from_deepspeed"]
 
 
 def load_config(obj: Union[Config, Mapping[str, Any], str, os.PathLike, None] = None, *,
@@ -148,19 +148,25 @@ def _from_any_mapping(data: Mapping[str, Any], *, world_size: Optional[int]) -> 
 # [Note: Config's ways in] (sections.py): the constructors that need this module.
 
 
-def _config_from_file(path: Union[str, os.PathLike], *, world_size: Optional[int] = None) -> Config:
+def from_file(path: Union[str, os.PathLike], *, world_size: Optional[int] = None) -> Config:
     """A JSON or YAML file in either offload's format or DeepSpeed's (told apart as by
     `load_config`)."""
     return _from_any_mapping(read_config_file(path), world_size=world_size)
 
 
-def _config_from_deepspeed(ds_config: Union[Mapping[str, Any], str, os.PathLike], *,
-                           world_size: Optional[int] = None) -> Config:
+def from_deepspeed(ds_config: Union[Mapping[str, Any], str, os.PathLike], *,
+                   world_size: Optional[int] = None) -> Config:
     """A DeepSpeed config (dict or JSON/YAML path), translated by `translate_deepspeed`."""
     if isinstance(ds_config, (str, os.PathLike)):
         ds_config = read_config_file(ds_config)
     return translate_deepspeed(ds_config, world_size=world_size)
 
 
-Config.from_file = staticmethod(_config_from_file)
-Config.from_deepspeed = staticmethod(_config_from_deepspeed)
+# The one install from above this project keeps, on purpose: `Config.from_file` and
+# `Config.from_deepspeed` are public and documented (docs/config.md), and their bodies need
+# this module, which imports sections.py (the other way round is an import circle). So the
+# functions live here (`offload.config.from_file` / `from_deepspeed`, the way the docs
+# show) and the class gets them as aliases when this module is imported, which
+# offload/config/__init__.py always does. Nothing else is set on a class from outside it.
+Config.from_file = staticmethod(from_file)
+Config.from_deepspeed = staticmethod(from_deepspeed)

@@ -430,6 +430,8 @@ def evaluate(t: torch.Tensor, session: Session) -> torch.Tensor:
 # -- the context -----------------------------------------------------------------------------------
 
 _ACTIVE: Optional[Recorder] = None
+"""The open `offload.init` recording, if any: the context's own state (as torch's mode stack
+is process state), set and cleared by `recording` only; a nested context joins it."""
 
 
 @contextlib.contextmanager
