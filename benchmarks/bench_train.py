@@ -142,7 +142,7 @@ class TorchPrecision:
 def torch_precision(dtype: str, device: torch.device) -> TorchPrecision:
     """The plain-PyTorch contenders' precision for `--dtype` on `device`. CUDA: bf16 / fp16
     under autocast (fp16 with a GradScaler). The CPU: bf16 under autocast too; fp16 and fp32
-    stay fp32 without autocast, as every CPU figure in the README and docs was measured
+    stay fp32 without autocast, as every CPU figure in docs/results.md was measured
     (fp32), and CPU fp16 autocast is not the comparison anyone trains with."""
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if device.type == "cuda" and low is not None:

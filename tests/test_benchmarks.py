@@ -267,7 +267,7 @@ def test_bench_train_torch_contender_computes_in_the_engines_dtype():
     assert rule(torch_precision("fp32", cuda)) == ("cuda", None, False)
     assert rule(torch_precision("bf16", cpu)) == ("cpu", torch.bfloat16, False)
     assert rule(torch_precision("fp16", cpu)) == ("cpu", None, False)  # as before
-    assert rule(torch_precision("fp32", cpu)) == ("cpu", None, False)  # the README's figures
+    assert rule(torch_precision("fp32", cpu)) == ("cpu", None, False)  # the figures in docs/results.md
     assert torch_precision("fp16", cuda).describe() == "float16 autocast on cuda + GradScaler"
     # the forward really runs under it: fp32 weights, bf16 products (and none for fp32)
     lin = torch.nn.Linear(4, 4)
