@@ -66,7 +66,10 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from offload.storage.io import probe_direct_io
-from offload.storage.state_layout import StateSpec, UnitTensors
+from offload.storage.nvme import NVMeContext
+from offload.storage.optim_state import NVMeOptimizerStates
+from offload.storage.split_states import SplitOptimizerStates
+from offload.storage.state_layout import StateLayout, StateSpec, UnitTensors
 from offload.checkpoint import files, manifest
 from offload.checkpoint.shards import (
     DEFAULT_WINDOW,
@@ -208,8 +211,8 @@ def load_units(
                     sources[unit.index] = source
             lo = rank * layout.shard_numel
             jobs: list[ReadJob] = []
-            for name, t in dest.items():
-                jobs += assemble_jobs(records, old, name, lo, t, saved["chunk_bytes"], unit.index,
+            for name, tensor in dest.items():
+                jobs += assemble_jobs(records, old, name, lo, tensor, saved["chunk_bytes"], unit.index,
                                       per=per.get(name, 1))
             if unit.frozen_numel:
                 # Frozen values go to the parameter shard: straight into it when it is host
@@ -261,7 +264,7 @@ def _source_in_place(
     file, by_key = records[sharded.rank]
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
         return None
-    lay = store.layouts[unit.index]
+    lay = _disk_layouts(sharded)[unit.index]
     offsets = {}
     tensors = [("master", torch.float32, lay.master_numel)]
     tensors += [(spec.name, spec.dtype, lay.numel_of(spec)) for spec in lay.specs]
@@ -280,7 +283,7 @@ def _readable_in_place(
     step's reads stay direct), and by default (`copy_to_swap` None) only on the swap
     directory's own filesystem, where reading the checkpoint costs what reading the slot
     would; a checkpoint on other storage (a network share) is copied during the load."""
-    swap_dev = os.stat(sharded.nvme.directory.path).st_dev
+    swap_dev = os.stat(_nvme(sharded).directory.path).st_dev
     out = {}
     for file, _ in records:
         if not os.path.exists(file):
@@ -297,9 +300,23 @@ def _open_units(sharded: ShardedState, in_place: bool) -> int:
     one's swap write), or one when the pinned pool holds only one NVMe slot buffer."""
     if in_place:
         return 2
+    largest = max((lay.nbytes for lay in _disk_layouts(sharded)), default=0)
+    return 2 if 2 * largest <= _nvme(sharded).staging.budget_bytes else 1
+
+
+def _disk_layouts(sharded: ShardedState) -> list[StateLayout]:
+    """The slot layouts of an optimizer store with state on NVMe (the paths that read them
+    run only then)."""
     store = sharded.optimizer.store
-    largest = max((lay.nbytes for lay in store.layouts), default=0)
-    return 2 if 2 * largest <= sharded.nvme.staging.budget_bytes else 1
+    if not isinstance(store, (NVMeOptimizerStates, SplitOptimizerStates)):
+        raise TypeError(f"{type(store).__name__} keeps no optimizer state on NVMe")
+    return store.layouts
+
+
+def _nvme(sharded: ShardedState) -> NVMeContext:
+    if sharded.nvme is None:
+        raise TypeError("this engine has no NVMe tier")
+    return sharded.nvme
 
 
 def state_in_host_memory(sharded: ShardedState) -> bool:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
+from offload.config.sections import Config
 from offload.optim.kind import OptimizerKind
 from offload.optim.sharded import (
     UnitOptimizerState,
@@ -42,9 +43,12 @@ from offload.optim.sharded import (
 from offload.runtime.buffers import check_keep_in_fp32, place_buffers
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
+from offload.storage.nvme import NVMeContext
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, NVMeOptimizerStates, state_layout
 from offload.storage.state_layout import StateSpec, param_align
+from offload.storage.state_store import OptimizerStates
+from offload.storage.tiers import Tier
 from offload.storage.tier_kind import TierKind, make_param_tier
 from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.split_states import SplitOptimizerStates
@@ -65,9 +69,9 @@ class Built:
 
     units: list[FlatUnit]
     states: list[UnitOptimizerState]
-    param_tier: Any
-    optimizer_states: Any
-    nvme: Any
+    param_tier: Tier
+    optimizer_states: OptimizerStates
+    nvme: Optional[NVMeContext]
     """The rank's `NVMeContext`, or None without an NVMe tier."""
     close_nvme: Optional[Callable[[], Any]]
     """Deletes the swap files and stops the I/O workers, once (a `weakref.finalize`: it also
@@ -88,7 +92,7 @@ class Built:
 def build(
     owner: object,
     model: nn.Module,
-    config: Any,
+    config: Config,
     pg: ProcessGroupInfo,
     device: torch.device,
     dtype: torch.dtype,
@@ -115,6 +119,7 @@ def build(
     for gi, g in enumerate(groups):
         params = [u.params[i] for u in units for i, s in enumerate(u.layout.slots) if s.group == gi]
         opt_groups.append({**g, "params": params})
+    assert tiers.optimizer_states is not None, "_build_units sets the store"
     return Built(
         units=units, states=states, param_tier=tiers.param_tier,
         optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
@@ -145,23 +150,23 @@ class _Tiers:
     and host memory to spare (`offload.ram_budget_bytes` / `ram_fraction`), some units stay
     in RAM (`placement`: offload/storage/placement.py)."""
 
-    def __init__(self, owner: object, config: Any, pg: ProcessGroupInfo, device: torch.device,
+    def __init__(self, owner: object, config: Config, pg: ProcessGroupInfo, device: torch.device,
                  dtype: torch.dtype, planned: Planned, specs: tuple[StateSpec, ...]) -> None:
-        from offload.storage.nvme import NVMeContext
-
         off = config.offload
         self.placement = unit_placement(config, pg, dtype, specs, planned)
         uses_nvme = self.placement.any_nvme
-        self.nvme: Any = None
+        self.nvme: Optional[NVMeContext] = None
         self.close_nvme: Optional[Callable[[], Any]] = None
-        self.optimizer_states: Any = None
-        """The NVMe store when any unit's state is on NVMe (the builder adds the host part)."""
+        self.nvme_states: Optional[NVMeOptimizerStates] = None
+        """The NVMe store when any unit's state is on NVMe."""
+        self.optimizer_states: Optional[OptimizerStates] = None
+        """The store the optimizer uses: set by `_build_units` (host, NVMe or split)."""
         error: Optional[BaseException] = None
         try:
             if uses_nvme:
                 _check_nvme(config, pg, dtype, specs, planned, self.placement)
                 self.nvme = NVMeContext(
-                    off.nvme_path, pg.rank,
+                    swap_path(config), pg.rank,
                     budget_bytes=int(off.pinned_budget_bytes),
                     block_size=config.aio.block_size,
                     queue_depth=config.aio.queue_depth,
@@ -176,7 +181,8 @@ class _Tiers:
                 sizes = [(lay.shard_master_numel(pg.rank), lay.shard_optimized_numel(pg.rank))
                          if on else (0, 0)
                          for (_, lay, _), on in zip(planned, self.placement.state_on_nvme)]
-                self.optimizer_states = NVMeOptimizerStates(self.nvme, sizes, specs)
+                assert self.nvme is not None, "placement puts state on NVMe only with an NVMe tier"
+                self.nvme_states = NVMeOptimizerStates(self.nvme, sizes, specs)
         except (OSError, ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
             error = exc
         if error is not None and self.close_nvme is not None:
@@ -206,7 +212,7 @@ class _Tiers:
         return tier.tier_of((index, "param")) if isinstance(tier, SplitTier) else tier
 
 
-def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype,
+def unit_placement(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype,
                    specs: tuple[StateSpec, ...], planned: Planned) -> Placement:
     """Which units' parameter shards and optimizer states are on NVMe: all of an NVMe tier's,
     less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM.
@@ -224,17 +230,26 @@ def unit_placement(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype,
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
-        budget = int(off.ram_fraction * on_disk)
+        budget = int(float(off.ram_fraction or 0.0) * on_disk)
     return choose_placement(param_bytes, state_bytes, param_tier, state_tier, budget)
 
 
-def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tuple[StateSpec, ...],
+def swap_path(config: Config) -> str:
+    """`offload.nvme_path`, which the config requires whenever a tier is on NVMe."""
+    path = config.offload.nvme_path
+    if not path:
+        raise ValueError("offload.nvme_path is not set; point it at a directory on a local NVMe disk")
+    return path
+
+
+def _check_nvme(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tuple[StateSpec, ...],
                 planned: Planned, placement: Placement) -> None:
     """What NVMe tiers need of the machine, checked before anything is created."""
     from offload.storage.swap import check_free_space, make_swap_dir, stale_swap_bytes, swap_bytes_needed
 
     off = config.offload
-    make_swap_dir(off.nvme_path)  # created when missing, as DeepSpeed creates its swap folder
+    path = swap_path(config)
+    make_swap_dir(path)  # created when missing, as DeepSpeed creates its swap folder
     param_sizes, optim_sizes, worst = [], [], (0, "", 0, 0)
     for (plan, layout, _), param_on, state_on in zip(planned, placement.param_on_nvme,
                                                      placement.state_on_nvme):
@@ -278,10 +293,10 @@ def _check_nvme(config: Any, pg: ProcessGroupInfo, dtype: torch.dtype, specs: tu
     # directory deletes them.
     local = pg.local_world_size
     check_free_space(
-        off.nvme_path, total * local,
+        path, total * local,
         f"the swap files of {local} rank(s) on this node ({total} bytes each: parameters "
         f"{sum(param_sizes)}, optimizer states {sum(optim_sizes)})",
-        reclaimable_bytes=stale_swap_bytes(off.nvme_path),
+        reclaimable_bytes=stale_swap_bytes(path),
     )
 
 
@@ -299,7 +314,7 @@ def _agree_on(error: Optional[BaseException], pg: ProcessGroupInfo, device: torc
         raise error
 
 
-def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: torch.device,
+def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device: torch.device,
                  dtype: torch.dtype, planned: Planned, tiers: _Tiers, specs: tuple[StateSpec, ...]
                  ) -> tuple[list[FlatUnit], list[UnitOptimizerState]]:
     units: list[FlatUnit] = []
@@ -354,11 +369,12 @@ def _build_units(model: nn.Module, config: Any, pg: ProcessGroupInfo, device: to
         units.append(unit)
         records.append(recs)
     host = HostOptimizerStates(states, staging=None if tiers.nvme is None else tiers.nvme.staging)
-    if tiers.optimizer_states is None:
+    if tiers.nvme_states is None:
         tiers.optimizer_states = host
     elif not all(tiers.placement.state_on_nvme):
-        tiers.optimizer_states = SplitOptimizerStates(host, tiers.optimizer_states,
-                                                      tiers.placement.state_on_nvme)
+        tiers.optimizer_states = SplitOptimizerStates(host, tiers.nvme_states, tiers.placement.state_on_nvme)
+    else:
+        tiers.optimizer_states = tiers.nvme_states
     _fill_masters(model, units, states, records, tiers.optimizer_states)
     for unit, recs in zip(units, records):
         for rec, p in zip(recs, unit.params):

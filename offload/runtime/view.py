@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the seam's types; imported for the checker only (runtime/optim import this module)
+    from offload.config.sections import Config
+    from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
+    from offload.runtime.loss_scaler import LossScaler
+    from offload.storage.nvme import NVMeContext
+    from offload.storage.state_store import OptimizerStates
+    from offload.storage.tiers import Tier
+    from offload.units.collectives import ProcessGroupInfo
+    from offload.units.shard import FlatUnit
 
 __all__ = ["StepCounters", "Schedule", "Location", "StateDictEntry", "ShardedState"]
 
@@ -64,27 +74,27 @@ class ShardedState:
     """The engine, as the code around it needs it."""
 
     module: nn.Module
-    config: Any
+    config: "Config"
     """The typed `offload.config.Config` the engine runs with."""
     rank: int
     world_size: int
-    pg: Any
+    pg: "ProcessGroupInfo"
     """`offload.units.collectives.ProcessGroupInfo`: the group and its ranks."""
     device: torch.device
     dtype: torch.dtype
     """Compute dtype of the gathered parameters."""
-    units: list
+    units: "list[FlatUnit]"
     """`FlatUnit`s, in unit order (index 0 is the root)."""
-    states: list
+    states: "list[UnitOptimizerState]"
     """Per unit, its `UnitOptimizerState` (gradient shard, step counts, ...)."""
-    optimizer: Any
+    optimizer: "ShardedOptimizer"
     """`offload.optim.sharded.ShardedAdam`: param groups, per-unit state in and out."""
-    param_tier: Any
-    optimizer_states: Any
+    param_tier: "Tier"
+    optimizer_states: "OptimizerStates"
     """The optimizer-state store (host memory or NVMe)."""
-    nvme: Any
+    nvme: "Optional[NVMeContext]"
     """The rank's `NVMeContext` (swap directory, AIO handle, staging pool) or None."""
-    scaler: Any
+    scaler: "LossScaler"
     """`LossScaler` (fp16 loss scale; its state_dict goes into checkpoints)."""
     counters: StepCounters
     state_dict_index: list[StateDictEntry] = field(default_factory=list)
