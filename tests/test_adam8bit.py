@@ -546,11 +546,13 @@ def _check_accuracy(make_model, loss_fn, what: str) -> dict:
     return dist
 
 
+@pytest.mark.long  # an accuracy study (35 s on 2 cores); the engine's 8-bit path is checked by tests/test_engine_8bit.py
 def test_accuracy_gpt_8bit_moments_within_init_seed_spread_of_fp32():
     _check_accuracy(lambda: GPT(vocab=64, d_model=128, n_layer=4, n_head=4, seq=32),
                     lambda model, x, y: model(x, y), "GPT 4x128")
 
 
+@pytest.mark.long
 def test_accuracy_llama_8bit_moments_within_init_seed_spread_of_fp32():
     transformers = pytest.importorskip("transformers", reason="the Llama accuracy run needs transformers")
 

@@ -909,8 +909,11 @@ OTHER_CPUS = {
 }
 
 
-@pytest.mark.parametrize("cpu", list(OTHER_CPUS))
+@pytest.mark.parametrize("cpu", [pytest.param(c, marks=pytest.mark.long) if c == "old-cpu" else c
+                                 for c in OTHER_CPUS])
 def test_parity_holds_on_other_cpu_code_paths(cpu):
+    """The parity tests with another CPU's code paths forced: AVX2 (the common machine
+    without AVX-512) in the default run; the non-SIMD "old CPU" paths in the longer profile."""
     import os
     import subprocess
     import sys
