@@ -25,6 +25,7 @@ import torch
 from offload.checkpoint.files import MANIFEST
 from offload.checkpoint.shards import CheckpointCorruptError
 from offload.dtypes import name_of
+from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.view import Location, ShardedState
 from offload.units.layout import FROZEN_GROUP
 
@@ -247,7 +248,7 @@ def saved_optimizer(saved: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     return str(kind), ("exp_avg", "exp_avg_sq")
 
 
-def check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
+def check_optimizer(saved: dict[str, Any], optimizer: ShardedOptimizer) -> None:
     """A checkpoint's optimizer state is another optimizer's (Lion's exp_avg is not Adam's,
     Adagrad's sum is no moment): refused, naming both. Adam and AdamW share their state."""
     kind, names = saved_optimizer(saved)

@@ -395,7 +395,7 @@ def _fresh_state(spec: StateSpec, n_opt: int) -> torch.Tensor:
 
 def _fill_masters(model: nn.Module, units: list[FlatUnit],
                   states: list[UnitOptimizerState], records: list[list[ParamRecord]],
-                  optimizer_states: Any) -> None:
+                  optimizer_states: OptimizerStates) -> None:
     """Fill the masters from the model's values (or replay the init of a meta-built model,
     one module at a time), frozen values straight into the shard's frozen suffix (rounded
     once to the compute dtype); as soon as a unit has all its values, publish its

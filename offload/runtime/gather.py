@@ -17,9 +17,11 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
+from offload.config.sections import PrefetchConfig
 from offload.runtime.prefetch import Prefetcher
 from offload.runtime.schedule import Phase, Schedule
 from offload.runtime.timeline import Timeline, now
+from offload.storage.tiers import Tier
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
@@ -29,7 +31,7 @@ __all__ = ["Gatherer"]
 class Gatherer:
     """Schedule + prefetcher + gathers issued ahead, for one engine's units."""
 
-    def __init__(self, units: list[FlatUnit], param_tier: Any, prefetch_config: Any,
+    def __init__(self, units: list[FlatUnit], param_tier: Tier, prefetch_config: PrefetchConfig,
                  dtype: torch.dtype, world_size: int, timeline: Timeline) -> None:
         self.units = units
         self.world_size = world_size

@@ -76,6 +76,9 @@ from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import Schedule, StepCounters
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.shard import FlatUnit
+from offload.config.sections import Config
+from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
+from offload.storage.nvme import NVMeContext
 
 logger = logging.getLogger("offload.engine")
 
@@ -90,9 +93,9 @@ class StepMode(enum.Enum):
 class StepPolicy:
     """Counters, loss scale and the optimizer's updates for one engine."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, optimizer: Any, states: list[Any],
-                 pg: ProcessGroupInfo, device: torch.device, timeline: Timeline, nvme: Any,
-                 transient_grads: bool) -> None:
+    def __init__(self, config: Config, dtype: torch.dtype, optimizer: ShardedOptimizer,
+                 states: list[UnitOptimizerState], pg: ProcessGroupInfo, device: torch.device,
+                 timeline: Timeline, nvme: Optional[NVMeContext], transient_grads: bool) -> None:
         self.config = config
         self.dtype = dtype
         self.optimizer = optimizer
@@ -527,7 +530,7 @@ class StepPolicy:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
 
 
-def uses_worker(config: Any, device: torch.device, nvme: bool) -> bool:
+def uses_worker(config: Config, device: torch.device, nvme: bool) -> bool:
     """`prefetch.optimizer_worker`: "auto" runs the updates during backward on the worker
     with a CUDA compute device and no NVMe tier (whose stores and reads stay on the engine's
     thread), and on autograd's thread on the CPU, where both compete for the same cores."""

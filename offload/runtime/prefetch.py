@@ -17,6 +17,8 @@ import torch
 
 from offload.devices import side_stream
 from offload.runtime.timeline import Timeline, now
+from offload.storage.tiers import Tier
+from offload.units.shard import FlatUnit
 
 __all__ = ["Prefetcher", "FetchMode"]
 
@@ -55,7 +57,7 @@ class Prefetcher:
     again; a revoked entry is forgotten when next looked at, and its unit fetched on demand.
     """
 
-    def __init__(self, units: Sequence[Any], tier: Any, timeline: Timeline) -> None:
+    def __init__(self, units: Sequence[FlatUnit], tier: Tier, timeline: Timeline) -> None:
         self.units = units
         self.tier = tier
         self.timeline = timeline
@@ -180,7 +182,7 @@ class Prefetcher:
         return e
 
 
-def _mode_of(tier: Any, device: torch.device) -> FetchMode:
+def _mode_of(tier: Tier, device: torch.device) -> FetchMode:
     """What fetching ahead means for a shard in `tier` when compute runs on `device`."""
     if not tier.addressable:
         return FetchMode.READ
@@ -244,7 +246,7 @@ class _CudaCopy:
 
     __slots__ = ("unit", "event", "local")
 
-    def __init__(self, unit: Any, stream: Any) -> None:
+    def __init__(self, unit: FlatUnit, stream: Any) -> None:
         self.unit = unit
         unit.alloc_full()
         compute = torch.cuda.current_stream(unit.device)
@@ -297,7 +299,7 @@ class _DirectRead:
     label = "read"
     fresh = False
 
-    def __init__(self, unit: Any) -> None:
+    def __init__(self, unit: FlatUnit) -> None:
         self.unit = unit
         self.handle = unit.start_read()
 
@@ -309,7 +311,7 @@ class _DirectRead:
         return self.live()
 
     def done(self) -> bool:
-        return self.handle.done()
+        return self.handle is None or self.handle.done()  # None: read synchronously, done
 
     def wait(self) -> None:
         """The shard is in the unit's full buffer once the read landed: nothing to copy."""

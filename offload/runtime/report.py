@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import torch
 
+from offload.config.sections import Config
+from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.monitors import Monitor, open_monitors
 from offload.runtime.timeline import StepStats
@@ -285,7 +287,7 @@ def _memory_text(memory: dict[str, int]) -> str:
     return ", ".join(f"{tier} {format_bytes(value)}" for tier, value in memory.items())
 
 
-def _optimizer_threads(optimizer: Any, configured: int) -> str:
+def _optimizer_threads(optimizer: ShardedOptimizer, configured: int) -> str:
     """What runs the updates, and on how many threads (`offload.optim.threads`)."""
     if optimizer.record.generic:
         return f"{optimizer.kind} through torch's class (torch's threads; cpu_adam_threads does not apply)"
@@ -294,7 +296,7 @@ def _optimizer_threads(optimizer: Any, configured: int) -> str:
     return f"{optimizer.kind} on {n} CPU thread{'s' if n != 1 else ''}{how}"
 
 
-def _optimizer_placement(config: Any, dtype: torch.dtype) -> str:
+def _optimizer_placement(config: Config, dtype: torch.dtype) -> str:
     """Where updates run, by StepPolicy.start_backward's static conditions."""
     if not config.prefetch.optimizer_in_backward:
         return "step in engine.step() (prefetch.optimizer_in_backward is false)"
