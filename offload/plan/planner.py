@@ -44,6 +44,7 @@ from offload.plan.tier_bytes import (
 from offload.sizes import format_bytes, format_count, parse_count
 from offload.storage.placement import Placement, choose_placement, unit_bytes
 from offload.storage.tier_kind import TierKind
+from offload.units.collectives import ProcessGroupInfo
 
 __all__ = ["PlacementEstimate", "Plan", "plan", "resolve_placement", "PLACEMENTS"]
 
@@ -435,7 +436,7 @@ def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, 
 # --------------------------------------------------------------------------------------
 
 
-def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: Any,
+def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: ProcessGroupInfo,
                       device: torch.device) -> tuple[Config, Plan]:
     """`config` with param_tier / optimizer_tier chosen by the planner for this machine.
 
