@@ -176,6 +176,8 @@ def test_a_unit_being_gathered_is_never_fetched_again():
             pass
 
     class Unit:
+        reads_into_full = False
+
         def __init__(self, index, state):
             self.index, self.key, self.state = index, index, state
             self.tier, self.device = Tier(), torch.device("cpu")

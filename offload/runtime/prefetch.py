@@ -64,7 +64,7 @@ class Prefetcher:
         self.pending: dict[int, Any] = {}
         self._write_through: frozenset[int] = frozenset()
         self._stream: Any = None
-        self.modes = [FetchMode.DIRECT if getattr(unit, "reads_into_full", False)
+        self.modes = [FetchMode.DIRECT if unit.reads_into_full
                       else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
         if FetchMode.CUDA_COPY in self.modes:
