@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import offload.units.collectives as _dist
+from offload.checkpoint import sharded_dict  # DTensor state dicts (torch's DTensor imported on use)
 from offload.checkpoint.shards import CheckpointStaging
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
@@ -174,7 +175,8 @@ class Engine:
             counters=self.policy.counters, schedule=self.policy.schedule,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
-        self._register_hooks()
+        self._register_hooks()  # then a DTensor load refused before the gathering's hooks run:
+        self._hooks.append(model.register_load_state_dict_pre_hook(sharded_dict.refuse_dtensor_load))
         self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks,
                                    self.residency)
         self.health = Health(self.policy, self.gather, self.backward_tracker, self.gathering, self.residency,
@@ -457,6 +459,29 @@ class Engine:
 
         load_full_state_dict(self.sharded_state, state_dict, strict)
         self.gather.drop()  # shards fetched ahead (a GPU's side-stream copies) are stale
+
+    # -- sharded state dicts as DTensors for torch.distributed.checkpoint: checkpoint/sharded_dict.py
+    def _sharded_dict(self, what: str) -> Any:
+        self.health.settle(f"engine.{what}")
+        return sharded_dict
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's fp32 parameters (Shard(0) DTensors over the group), buffers whole."""
+        return self._sharded_dict("sharded_state_dict").model_state_dict(self.sharded_state)
+
+    def sharded_optimizer_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state in torch's layout (Shard(0) DTensors, steps)."""
+        return self._sharded_dict("sharded_optimizer_state_dict").optimizer_state_dict(self.sharded_state)
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load `sharded_state_dict()`'s values, saved at any world size."""
+        self._sharded_dict("load_sharded_state_dict").load_model_state_dict(self.sharded_state, state_dict, strict)
+        self.gather.drop()  # shards fetched ahead are stale
+
+    def load_sharded_optimizer_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load `sharded_optimizer_state_dict()`'s values, saved at any world size."""
+        self._sharded_dict("load_sharded_optimizer_state_dict").load_optimizer_state_dict(
+            self.sharded_state, state_dict, strict)
 
     def save_pretrained(self, save_directory: str, dtype: Any = None, max_shard_size: Union[int, str] = "5GB",
                         safe_serialization: bool = True) -> str:
