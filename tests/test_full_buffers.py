@@ -82,3 +82,33 @@ def test_nvme_units_reuse_their_full_buffers_with_the_same_results(tmp_path, mon
     want = plain.full_state_dict()
     plain.close()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_publish_copies_low_precision_shards_in_reused_full_buffers(tmp_path, monkeypatch):
+    """[Note: publish copies from reused buffers] in offload/units/shard.py: `initialize`
+    writes each unit's bf16 shard to NVMe from a full buffer taken and given back at once (a
+    few buffers for all units, not a fresh allocation per unit); training from there gives
+    the same bits as the control through the CPU allocator."""
+    def run(path):
+        torch.manual_seed(0)
+        config = make_config(path)
+        config["precision"]["dtype"] = "bf16"
+        engine = offload.initialize(TinyGPT(n_layer=6), config)
+        pool = next((u._buffers for u in engine.units if u._buffers is not None), None)
+        published = (pool.made, pool.taken, pool.kept_bytes) if pool is not None else None
+        for x, y in gpt_batches(3):
+            engine.backward(engine(x, y))
+            engine.step()
+        got = engine.full_state_dict()
+        engine.close()
+        return published, len(engine.units), got
+
+    (made, taken, kept), n_units, got = run(tmp_path / "a")
+    # before any forward, only publish used the pool: every unit's copy came from it, and
+    # all but the first of each size were reused
+    assert n_units >= 7 and made >= 1 and made + taken == n_units and taken >= n_units - 2, (made, taken)
+    assert kept > 0  # given back, kept for the first gathers
+    monkeypatch.setattr(shard_mod, "CAN_POINT", False)
+    published, _, want = run(tmp_path / "b")
+    assert published is None  # the control: the CPU allocator's copies
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

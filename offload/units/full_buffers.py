@@ -67,7 +67,7 @@ class FullBuffers:
     def point(self, t: torch.Tensor) -> torch.Tensor:
         """Give `t`'s (empty, resizable) storage the bytes of a buffer from here; returns the
         buffer, which the caller keeps and gives back with `unpoint`."""
-        buf = self._take(t.numel() * t.element_size())
+        buf = self.take(t.numel() * t.element_size())
         point_storage(t, buf)
         return buf
 
@@ -75,10 +75,12 @@ class FullBuffers:
         """Point `t`'s storage away from `buf` (empty and resizable, as freed) and keep `buf`
         for the next unit, within the budget."""
         unpoint_storage(t)
-        if self.kept_bytes + buf.numel() <= self.budget_bytes:
-            self._free.append(buf)
+        self.give(buf)
 
-    def _take(self, need: int) -> torch.Tensor:
+    def take(self, need: int) -> torch.Tensor:
+        """A page-aligned uint8 buffer of at least `need` bytes (a kept one that fits, else a
+        new one), for the caller to give back with `give` (a unit's publish copy: [Note:
+        publish copies from reused buffers] in offload/units/shard.py)."""
         best: Optional[int] = None
         for i, b in enumerate(self._free):  # the smallest that fits, and not twice too large
             if need <= b.numel() <= 2 * need and (best is None or b.numel() < self._free[best].numel()):
@@ -90,6 +92,11 @@ class FullBuffers:
 
         self.made += 1
         return aligned_empty(need, torch.uint8, pin=False)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep `buf` (from `take`) for the next taker, within the budget; else it is freed."""
+        if self.kept_bytes + buf.numel() <= self.budget_bytes:
+            self._free.append(buf)
 
     def clear(self) -> None:
         self._free.clear()
