@@ -46,19 +46,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import math
 import os
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: memory_cgroup, llama_checkpoint
+from memory_cgroup import CgroupUnavailable, MemoryCgroup  # noqa: E402
+from memory_cgroup import read_text as _read  # noqa: E402
+from llama_checkpoint import ITEMSIZE, LlamaShape, read_stored, shape_for, write_checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -70,143 +73,7 @@ MiB per unit), and what glibc keeps of freed heap blocks (those under its dynami
 threshold, at most 32 MiB). Measured 1-30 MiB at every size tried (docs/hf.md); a
 constant, not a share of the model: a loader that held a share of the checkpoint shows."""
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_ST_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-# -- the checkpoint --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """A Llama decoder's dimensions (`LlamaConfig`'s names); untied embeddings."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(checkpoint key, shape) in the order transformers' save_pretrained writes them."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = h // self.num_attention_heads * self.num_key_value_heads
-        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
-        for n in range(self.num_hidden_layers):
-            p = f"model.layers.{n}."
-            out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
-                    (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                    (p + "mlp.down_proj.weight", (h, i)),
-                    (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
-        out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-        return out
-
-    def layer_numel(self) -> int:
-        return sum(math.prod(s) for k, s in self.tensors() if k.startswith("model.layers.0."))
-
-    def numel(self) -> int:
-        return sum(math.prod(s) for _, s in self.tensors())
-
-    def config_json(self, dtype: str) -> dict[str, Any]:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(self),
-                "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1,
-                "eos_token_id": 2, "dtype": dtype}
-
-
-def shape_for(total_bytes: int, dtype: str, hidden_size: int = 1024, vocab_size: int = 4096) -> LlamaShape:
-    """A Llama of about `total_bytes` in `dtype`: `hidden_size` wide (the MLP 2.75x, heads of
-    128, GQA 4:1 above 4 heads), as many layers as the size takes (at least 1)."""
-    heads = max(1, hidden_size // 128)
-    probe = LlamaShape(hidden_size, hidden_size * 11 // 4, 1, heads, heads // 4 if heads >= 4 else heads,
-                       vocab_size)
-    root = probe.numel() - probe.layer_numel()
-    layers = max(1, round((total_bytes / _ITEMSIZE[dtype] - root) / probe.layer_numel()))
-    return LlamaShape(**{**asdict(probe), "num_hidden_layers": layers})
-
-
-_POOL = 1_048_573  # values in the random sequence a checkpoint's tensors are windows onto (a prime:
-# no row length divides it, so rows differ too)
-
-
-def write_checkpoint(path: str, shape: LlamaShape, dtype: str = "float32", seed: int = 0,
-                     max_shard_bytes: int = 1 << 30) -> int:
-    """Write `shape` with random weights into `path` as save_pretrained does: `config.json`,
-    shards of at most `max_shard_bytes` and `model.safetensors.index.json`. Each tensor is
-    a window, from a random start and wrapping around, onto one random sequence of `_POOL`
-    values (normal, std 0.02 for matrices; around 1 for the norms): no two tensors agree,
-    and writing costs the disk's time only (drawing 10^9 normals would take longer than
-    the load). Written piece by piece: nothing the model's size is in memory. The files are
-    flushed and dropped from the page cache (a load reads the disk). Returns the tensors'
-    bytes."""
-    import torch
-
-    os.makedirs(path, exist_ok=True)
-    itemsize, code = _ITEMSIZE[dtype], _ST_CODE[dtype]
-    g = torch.Generator().manual_seed(seed)
-    normal = torch.randn(_POOL, generator=g)
-    pools = {kind: bytes(t.to(getattr(torch, dtype)).view(torch.uint8).numpy())
-             for kind, t in (("matrix", normal * 0.02), ("norm", 1.0 + 0.1 * normal))}
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for key, s in shape.tensors():
-        n = math.prod(s) * itemsize
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((key, s))
-        size += n
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map, total = {}, 0
-    for name, tensors in zip(names, shards):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for key, s in tensors:
-            n = math.prod(s) * itemsize
-            header[key] = {"dtype": code, "shape": list(s), "data_offsets": [offset, offset + n]}
-            offset += n
-            weight_map[key] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for key, s in tensors:
-                pool = pools["norm" if len(s) == 1 else "matrix"]
-                left = math.prod(s) * itemsize
-                at = int(torch.randint(_POOL, (1,), generator=g)) * itemsize
-                while left:
-                    piece = memoryview(pool)[at : at + left]
-                    f.write(piece)
-                    left -= len(piece)
-                    at = 0
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        total += offset
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(shape.config_json(dtype), f, indent=1)
-    return total
-
-
-def read_stored(path: str, key: str) -> Any:
-    """Tensor `key` of the checkpoint at `path`, read with plain reads and parsed here (an
-    independent check of offload's reader)."""
-    import torch
-
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        file = os.path.join(path, json.load(f)["weight_map"][key])
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = json.loads(f.read(n))[key]
-        begin, end = meta["data_offsets"]
-        f.seek(8 + n + begin)
-        raw = bytearray(f.read(end - begin))
-    dtype = {v: k for k, v in _ST_CODE.items()}[meta["dtype"]]
-    return torch.frombuffer(raw, dtype=getattr(torch, dtype)).view(meta["shape"]).clone()
+_ITEMSIZE = ITEMSIZE
 
 
 # -- the bound ---------------------------------------------------------------------------------
@@ -316,167 +183,6 @@ def _llama_config(shape: LlamaShape, dtype: str, layers: int) -> Any:
 
     fields = {k: v for k, v in shape.config_json(dtype).items() if k not in ("architectures", "model_type")}
     return transformers.LlamaConfig(**{**fields, "num_hidden_layers": layers})
-
-
-# -- the cgroup ------------------------------------------------------------------------------
-
-
-class CgroupUnavailable(RuntimeError):
-    """No memory cgroup can be made here (not root, no memory controller); says why."""
-
-
-def _mounts() -> list[tuple[str, str, str, str]]:
-    """(mount point, the hierarchy's directory mounted there, fstype, super options) of every
-    cgroup mount."""
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fstype, _, opts = right.split()[:3]
-            if fstype in ("cgroup", "cgroup2"):
-                fields = left.split()
-                out.append((fields[4], fields[3], fstype, opts))
-    return out
-
-
-def _own_dir(mount_point: str, mount_root: str, version: int) -> Optional[str]:
-    """This process's cgroup directory under a mount of the v2 hierarchy, or of v1's memory
-    hierarchy (None when the mount does not show it)."""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            hid, controllers, path = line.rstrip("\n").split(":", 2)
-            if (version == 2 and hid == "0") or (version == 1 and "memory" in controllers.split(",")):
-                rel = os.path.relpath(path, mount_root)
-                return None if rel.startswith("..") else os.path.normpath(os.path.join(mount_point, rel))
-    return None
-
-
-class MemoryCgroup:
-    """A fresh memory cgroup with a limit, for one child process; `remove()` deletes it.
-
-    v2 where the machine's v2 hierarchy has the memory controller (memory.max, memory.peak,
-    memory.events' oom_kill), else v1 (memory.limit_in_bytes, memory.max_usage_in_bytes,
-    memory.oom_control's oom_kill). It is made below this process's own cgroup where that
-    can hold it, so the limits above still apply; in v2 a cgroup holding processes cannot
-    give its children controllers, and then it is made below the hierarchy's root. Swap is
-    limited too where the kernel accounts it (memory.swap.max / memsw), so the limit is on
-    memory, not memory plus swap. v1 counts page cache in its usage (reclaimed at the limit);
-    anonymous memory above the limit is an OOM kill in both."""
-
-    def __init__(self, name: str) -> None:
-        if os.geteuid() != 0:
-            raise CgroupUnavailable("making a memory cgroup needs root (this process runs as uid "
-                                    f"{os.geteuid()})")
-        errors = []
-        self.version, self.path = 0, ""
-        mounts = _mounts()
-        for point, root, fstype, opts in mounts:  # v2 first: where it has the memory controller
-            if fstype != "cgroup2":
-                continue
-            if "memory" not in _read(os.path.join(point, "cgroup.controllers"), "").split():
-                errors.append(f"{point} (v2) has no memory controller")
-                continue
-            for parent in dict.fromkeys(p for p in (_own_dir(point, root, 2), point) if p):
-                try:
-                    if "memory" not in _read(os.path.join(parent, "cgroup.subtree_control"), "").split():
-                        _write(os.path.join(parent, "cgroup.subtree_control"), "+memory")
-                    self._make(os.path.join(parent, name), 2)
-                    return
-                except OSError as exc:
-                    errors.append(f"{parent} (v2): {exc}")
-        for point, root, fstype, opts in mounts:
-            if fstype != "cgroup" or "memory" not in opts.split(","):
-                continue
-            for parent in dict.fromkeys(p for p in (_own_dir(point, root, 1), point) if p):
-                try:
-                    self._make(os.path.join(parent, name), 1)
-                    return
-                except OSError as exc:
-                    errors.append(f"{parent} (v1): {exc}")
-        raise CgroupUnavailable("no memory cgroup could be made: " + ("; ".join(errors) or
-                                "neither a cgroup v2 memory controller nor a v1 memory hierarchy is mounted"))
-
-    def _make(self, path: str, version: int) -> None:
-        os.mkdir(path)
-        self.path, self.version = path, version
-        self._files = ({"limit": "memory.max", "peak": "memory.peak", "swap": "memory.swap.max"}
-                       if version == 2 else
-                       {"limit": "memory.limit_in_bytes", "peak": "memory.max_usage_in_bytes",
-                        "swap": "memory.memsw.limit_in_bytes"})
-
-    def set_limit(self, limit_bytes: int) -> None:
-        """The most memory the cgroup's processes may use (v1: usage includes page cache)."""
-        limit = os.path.join(self.path, self._files["limit"])
-        swap = os.path.join(self.path, self._files["swap"])
-        if self.version == 2:
-            _write(limit, str(limit_bytes))
-            if os.path.exists(swap):
-                _write(swap, "0")
-            return
-        # v1: memsw (memory + swap) must stay >= the memory limit; raising, set it first
-        if os.path.exists(swap) and int(_read(swap, "0")) < limit_bytes:
-            _write(swap, str(limit_bytes))
-        _write(limit, str(limit_bytes))
-        if os.path.exists(swap):
-            with contextlib.suppress(OSError):
-                _write(swap, str(limit_bytes))
-
-    def limit_bytes(self) -> int:
-        text = _read(os.path.join(self.path, self._files["limit"]), "max")
-        return sys.maxsize if text == "max" else int(text)
-
-    def peak_bytes(self) -> Optional[int]:
-        """The cgroup's peak usage since it was made (None where the kernel has no such file:
-        v2's memory.peak is Linux 5.19+)."""
-        text = _read(os.path.join(self.path, self._files["peak"]), "")
-        return int(text) if text else None
-
-    def oom_kills(self) -> int:
-        """Processes of this cgroup the kernel's OOM killer killed."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for line in _read(os.path.join(self.path, name), "").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
-
-    def command(self, argv: list[str]) -> list[str]:
-        """`argv` run inside the cgroup from its first instruction: `sh` joins it, then execs
-        (same pid, and VmHWM starts again at the exec)."""
-        procs = os.path.join(self.path, "cgroup.procs")
-        return ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *argv]
-
-    def remove(self) -> None:
-        """Delete the cgroup (its processes must have exited; retried briefly while the
-        kernel lets them go)."""
-        if not self.path:
-            return
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                self.path = ""
-                return
-            except FileNotFoundError:
-                self.path = ""
-                return
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
-                time.sleep(0.1)
-        raise OSError(errno.EBUSY, f"cgroup {self.path} still has processes; remove it with rmdir")
-
-
-def _read(path: str, default: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 # -- the child -------------------------------------------------------------------------------
@@ -815,6 +521,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          steps=args.steps, threads=args.threads, controls=tuple(args.control), keep=args.keep, log=print)
     except CgroupUnavailable as exc:
         print(f"skipped: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a size or limit that cannot show the point: one line, the fix in it
+        print(f"load_under_limit: {exc}", file=sys.stderr)
         return 2
     ok = _print_report(report)
     if args.json:
