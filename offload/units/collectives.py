@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import logging
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,9 @@ class ProcessGroupInfo:
     started_here: bool
     """True when the group is offload's: `setup_process_group` created it, for this engine or
     an earlier one of the process ([Note: the group offload starts])."""
+    timeout_s: Optional[float] = None
+    """The group's collective timeout in seconds when offload started it
+    (`collective_timeout_s`); None for a group the user started (its own timeout applies)."""
 
     @property
     def nccl(self) -> bool:
@@ -102,6 +107,7 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
             group=dist.group.WORLD,
             backend=_default_group_backend(),
             started_here=_OWNED[0] is dist.group.WORLD,
+            timeout_s=_OWNED_TIMEOUT_S[0] if _OWNED[0] is dist.group.WORLD else None,
         )
     present = [k for k in _TORCHRUN_ENV if k in os.environ]
     if not present:
@@ -123,12 +129,14 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
     if _OWNED[0] is None:
         atexit.register(_leave_owned_group)
     _OWNED[0] = dist.group.WORLD
+    _OWNED_TIMEOUT_S[0] = timeout_s
     return ProcessGroupInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         group=dist.group.WORLD,
         backend=_default_group_backend(),
         started_here=True,
+        timeout_s=timeout_s,
     )
 
 
@@ -143,6 +151,8 @@ def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessG
 # started is never destroyed by offload.
 _OWNED: list[Any] = [None]
 """The default group offload started (its `dist.group.WORLD`), while it lives."""
+_OWNED_TIMEOUT_S: list[Optional[float]] = [None]
+"""The timeout that group was started with (a later engine reuses the group, and its)."""
 
 
 def leave_together(pg: ProcessGroupInfo, device: torch.device) -> None:
@@ -250,6 +260,75 @@ def settle_collectives(timeout_s: float = 10.0) -> bool:
     return True
 
 
+# [Note: a rank that stops answering] A rank that stops (SIGSTOP, a debugger, a hung data
+# loader), dies (OOM killer, kill -9) or falls far behind leaves every other rank waiting in
+# its next collective. gloo gives up after the group's timeout (`collective_timeout_s` when
+# offload started the group) with a transport message that names neither the collective nor
+# a rank ("[.../unbound_buffer.cc:129] Timed out waiting 5000ms for send operation to
+# complete"; a peer that died: "Connection closed by peer"). So every collective here, and
+# every `wait()` of one issued asynchronously, turns such a failure into a
+# `CollectiveTimeoutError` that names the collective, this rank, the timeout and what to do,
+# with torch's error as its __cause__. The process then unwinds as from any error: the
+# engine's finalizer and the exit path delete its swap files (tests/test_timeouts.py).
+_PEER_LOST = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|"
+                        r"socket closed", re.IGNORECASE)
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective the other ranks did not complete in time, or whose peer went away
+    ([Note: a rank that stops answering]). `__cause__` is torch.distributed's error."""
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a collective, says a peer did not answer (a timeout, a closed
+    or reset connection) rather than a misuse (a shape or dtype torch refused)."""
+    return isinstance(exc, RuntimeError) and bool(_PEER_LOST.search(str(exc)))
+
+
+def lost_peer_error(what: str, pg: ProcessGroupInfo, exc: BaseException) -> CollectiveTimeoutError:
+    """The error for collective `what` of rank `pg.rank` that no peer completed."""
+    others = [r for r in range(pg.world_size) if r != pg.rank]
+    peers = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
+    limit = (f"collective_timeout_s={pg.timeout_s:g} s" if pg.timeout_s is not None
+             else "your process group's timeout")
+    return CollectiveTimeoutError(
+        f"rank {pg.rank} of {pg.world_size}: the {what} was not completed by the other ranks "
+        f"within {limit} ({peers} did not answer; torch.distributed: {str(exc).strip()[:200]}). "
+        f"A rank stopped, died or is far behind: check the other ranks' logs for their error; "
+        f"raise collective_timeout_s if steps are really this slow")
+
+
+@contextlib.contextmanager
+def _answered(what: str, pg: ProcessGroupInfo) -> Iterator[None]:
+    """Run a collective; a peer's silence becomes a `CollectiveTimeoutError` (see the note)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveTimeoutError) or not peer_lost(exc):
+            raise
+        raise lost_peer_error(what, pg, exc) from exc
+
+
+class _CheckedWork(dist.Work):
+    """An asynchronous collective's work whose `wait()` raises `CollectiveTimeoutError`
+    when a peer did not answer (see the note). Only `wait()` is offload's to call."""
+
+    def __init__(self, work: dist.Work, what: str, pg: ProcessGroupInfo) -> None:
+        super().__init__()
+        self._work, self._what, self._pg = work, what, pg
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        with _answered(self._what, self._pg):
+            return bool(self._work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+def _checked(work: Optional[dist.Work], what: str, pg: ProcessGroupInfo) -> Optional[dist.Work]:
+    return None if work is None else _CheckedWork(work, what, pg)
+
+
 def all_gather_into(
     full: torch.Tensor, shard: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False
 ) -> Optional[dist.Work]:
@@ -259,7 +338,9 @@ def all_gather_into(
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return None
-    return _ALL_GATHER(_fresh(full), _fresh(shard), group=pg.group, async_op=async_op)
+    what = f"all-gather of {shard.numel():,} elements per rank"
+    with _answered(what, pg):
+        return _checked(_ALL_GATHER(_fresh(full), _fresh(shard), group=pg.group, async_op=async_op), what, pg)
 
 
 def reduce_scatter_mean(
@@ -271,8 +352,10 @@ def reduce_scatter_mean(
     if pg.world_size == 1:
         shard.copy_(full)
         return None
-    return _REDUCE_SCATTER(_fresh(shard), _fresh(full), op=dist.ReduceOp.AVG, group=pg.group,
-                           async_op=async_op)
+    what = f"gradient reduce-scatter of {full.numel():,} elements"
+    with _answered(what, pg):
+        return _checked(_REDUCE_SCATTER(_fresh(shard), _fresh(full), op=dist.ReduceOp.AVG, group=pg.group,
+                                        async_op=async_op), what, pg)
 
 
 def all_reduce_mean_(t: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = False) -> Optional[dist.Work]:
@@ -282,18 +365,23 @@ def all_reduce_mean_(t: torch.Tensor, pg: ProcessGroupInfo, async_op: bool = Fal
     if pg.world_size == 1:
         return None
     t.div_(pg.world_size)
-    return dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group, async_op=async_op)
+    what = f"gradient all-reduce of {t.numel():,} elements"
+    with _answered(what, pg):
+        return _checked(dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group, async_op=async_op),
+                        what, pg)
 
 
 def all_reduce_sum_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     if pg.world_size > 1:
-        dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group)
+        with _answered(f"all-reduce (sum) of {t.numel()} values", pg):
+            dist.all_reduce(_fresh(t), op=dist.ReduceOp.SUM, group=pg.group)
     return t
 
 
 def all_reduce_max_(t: torch.Tensor, pg: ProcessGroupInfo) -> torch.Tensor:
     if pg.world_size > 1:
-        dist.all_reduce(_fresh(t), op=dist.ReduceOp.MAX, group=pg.group)
+        with _answered(f"all-reduce (max) of {t.numel()} values", pg):
+            dist.all_reduce(_fresh(t), op=dist.ReduceOp.MAX, group=pg.group)
     return t
 
 
@@ -302,7 +390,8 @@ def broadcast_(t: torch.Tensor, src: int, pg: ProcessGroupInfo) -> torch.Tensor:
     training only (`engine.gathered(..., modifier_rank=src)` writing back a rank's edits)."""
     if pg.world_size > 1:
         root = src if pg.group is None else dist.get_global_rank(pg.group, src)
-        dist.broadcast(_fresh(t), src=root, group=pg.group)  # group_src needs torch >= 2.6
+        with _answered(f"broadcast from rank {src} of {t.numel():,} elements", pg):
+            dist.broadcast(_fresh(t), src=root, group=pg.group)  # group_src needs torch >= 2.6
     return t
 
 
