@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -153,7 +153,7 @@ class _Tiers:
     def __init__(self, owner: object, config: Config, pg: ProcessGroupInfo, device: torch.device,
                  dtype: torch.dtype, planned: Planned, specs: tuple[StateSpec, ...]) -> None:
         off = config.offload
-        self.placement = unit_placement(config, pg, dtype, specs, planned)
+        self.placement = unit_placement(config, pg, dtype, specs, [lay for _, lay, _ in planned])
         uses_nvme = self.placement.any_nvme
         self.nvme: Optional[NVMeContext] = None
         self.close_nvme: Optional[Callable[[], Any]] = None
@@ -213,7 +213,7 @@ class _Tiers:
 
 
 def unit_placement(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype,
-                   specs: tuple[StateSpec, ...], planned: Planned) -> Placement:
+                   specs: tuple[StateSpec, ...], layouts: Sequence[UnitLayout]) -> Placement:
     """Which units' parameter shards and optimizer states are on NVMe: all of an NVMe tier's,
     less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM.
     Sizes are the largest rank's (shards differ only by padding), so that every rank makes
@@ -222,11 +222,10 @@ def unit_placement(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype,
     param_tier = TierKind.of(off.param_tier)
     state_tier = TierKind.of(off.optimizer_tier, "offload.optimizer_tier")
     param_nvme, state_nvme = param_tier.spec.on_disk, state_tier.spec.on_disk
-    n = len(planned)
+    n = len(layouts)
     if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
         return Placement.uniform(n, param_tier, state_tier)
-    param_bytes, state_bytes = unit_bytes([lay for _, lay, _ in planned], dtype.itemsize,
-                                          specs, pg.world_size)
+    param_bytes, state_bytes = unit_bytes(layouts, dtype.itemsize, specs, pg.world_size)
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)

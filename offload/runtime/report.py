@@ -14,7 +14,9 @@ and INFO (the lines below) is shown once the application asks for it:
   device);
 - every `logging.steps_per_print` optimizer steps, one INFO line (the step report): step,
   loss, learning rate, gradient norm, loss scale, step time, tokens/s, stall share, memory
-  per tier, and with `logging.wall_clock_breakdown` the stall's parts. Times are means over
+  per tier, with an NVMe tier the swap bytes written and read per step (measured), and with
+  `logging.wall_clock_breakdown` the stall's parts. With an NVMe tier `initialize` also logs
+  the terabytes the node writes per 1,000 steps (offload/runtime/swap_traffic.py). Times are means over
   the steps since the previous report; the loss is the mean over the micro-batches of the
   reported step (this rank's: no collective is added);
 - every `monitors.steps_per_write` steps, the same scalars to the enabled monitors
@@ -39,6 +41,7 @@ from offload.config.sections import Config
 from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.monitors import Monitor, open_monitors
+from offload.runtime.swap_traffic import SwapMeter, WearEstimate, swap_text, wear_estimate
 from offload.runtime.timeline import StepStats
 from offload.runtime.view import ShardedState
 from offload.sizes import format_bytes, format_count
@@ -126,6 +129,10 @@ class StepReporter:
         self._losses: list[float] = []
         self._log_window, self._monitor_window = _Window(), _Window()
         self.last: Optional[dict[str, Any]] = None
+        self.swap = SwapMeter(state.nvme, state.pg.local_world_size)
+        """The step report's swap bytes per step (taken when a report is logged)."""
+        self.wear: Optional[WearEstimate] = None
+        """`log_built`'s estimate of the swap bytes written per step (None: no NVMe tier)."""
 
     # -- when -----------------------------------------------------------------------------
 
@@ -168,7 +175,7 @@ class StepReporter:
         loss = sum(losses) / len(losses) if losses else None
         memory = memory_bytes(self.state)  # once, for the log and the monitors
         if log_due:
-            self.last = self._record(n, loss, log_means or {}, memory)
+            self.last = {**self._record(n, loss, log_means or {}, memory), **(self.swap.per_step(n) or {})}
             logger.info(self._line(self.last), extra={"step_report": self.last})
         if monitor_due:
             record = self._record(n, loss, self._monitor_window.take(), memory)
@@ -176,7 +183,9 @@ class StepReporter:
             self._write_monitors(n, _scalars(record, self.cfg.wall_clock_breakdown))
 
     def log_built(self) -> None:
-        """The INFO line of `initialize`: what was built."""
+        """The INFO line of `initialize`: what was built; with an NVMe tier, a second one
+        with the node's swap bytes written per 1,000 steps (`self.wear`)."""
+        self.wear = wear_estimate(self.state)
         if not (self.speaks and logger.isEnabledFor(logging.INFO)):
             return
         s, c = self.state, self.state.config
@@ -192,6 +201,8 @@ class StepReporter:
             format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
             _optimizer_placement(c, s.dtype), _optimizer_threads(s.optimizer, c.cpu_adam_threads),
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
+        if self.wear is not None:
+            logger.info("%s%s", self.wear.line(), _rank_tag(s), extra={"swap_wear": self.wear.as_dict()})
 
     def close(self) -> None:
         monitors, self.monitors = self.monitors, []
@@ -245,6 +256,8 @@ class StepReporter:
                 f"fetch wait {r['fetch_wait_s']:.3f} s, collectives {r['collective_s']:.3f} s, "
                 f"optimizer {r['optimizer_s']:.3f} s (I/O {r['optimizer_io_s']:.3f} s, "
                 f"{r['optimizer_in_backward_s']:.3f} s in backward)")
+        if "swap_written_bytes" in r:
+            parts.append(swap_text(r))
         parts.append("memory " + _memory_text(r["memory"]))
         return " | ".join(parts)
 
