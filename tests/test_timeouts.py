@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from offload.units import collectives
 from offload.units.collectives import (
     CollectiveTimeoutError, ProcessGroupInfo, _CheckedWork, lost_peer_error, peer_lost,
 )
@@ -85,14 +86,16 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout_naming_rank_and_colle
     try:
         out, _ = procs[0].communicate(timeout=180)
         exited = time.time()
-        assert procs[0].returncode != 0, f"rank 0 finished although rank 1 stopped:\n{out[-3000:]}"
+        # 1: a Python error's exit, not a signal (gloo's threads aborting the teardown: -6)
+        assert procs[0].returncode == 1, f"rank 0 exited {procs[0].returncode}:\n{out[-3000:]}"
         stopping = _stamp(out, "STOPPING")
         assert len(stopping) > 2 and stopping[2], f"rank 0 had no swap files before the stop: {stopping}"
         failed = _stamp(out, "FAILED")
         waited_s = float(failed[1]) - float(stopping[1])
         assert failed[2] == "CollectiveTimeoutError", out[-3000:]
         assert TIMEOUT_S - 1 <= waited_s <= TIMEOUT_S + MARGIN_S, f"rank 0 failed {waited_s:.1f} s after the stop"
-        assert exited - float(stopping[1]) <= TIMEOUT_S + MARGIN_S + 15, "rank 0 took too long to exit"
+        # and exits promptly: no wait for the silent group's threads (settle_collectives)
+        assert exited - float(stopping[1]) <= TIMEOUT_S + MARGIN_S, "rank 0 took too long to exit"
         error = [line for line in out.splitlines() if "CollectiveTimeoutError:" in line][-1]
         for words in ("rank 0 of 2", "rank 1 did not answer", "collective_timeout_s=5 s",
                       "check the other ranks' logs", "raise collective_timeout_s"):
@@ -137,7 +140,8 @@ class _Failing:
         raise self.exc
 
 
-def test_waiting_an_async_collective_raises_the_clear_error_with_torchs_as_cause():
+def test_waiting_an_async_collective_raises_the_clear_error_with_torchs_as_cause(monkeypatch):
+    monkeypatch.setattr(collectives, "_LOST", [False])  # this process's group is not lost
     pg = ProcessGroupInfo(rank=0, world_size=2, group=None, backend="cpu:gloo", started_here=True, timeout_s=5.0)
     cause = RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     with pytest.raises(CollectiveTimeoutError, match="gradient reduce-scatter") as info:

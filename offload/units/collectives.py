@@ -249,6 +249,8 @@ def settle_collectives(timeout_s: float = 10.0) -> bool:
     """Wait until the group's threads hold none of the views handed to collectives (see
     the note); True when settled, False after `timeout_s`. Call after waiting every work:
     what remains is each thread's last release, which follows the wait within moments."""
+    if _LOST[0]:
+        return False  # a peer went silent: the group's threads may never let go ([Note: a rank that stops answering])
     deadline = time.monotonic() + timeout_s
     while _IN_FLIGHT:
         if _IN_FLIGHT[0]._use_count() <= 1:
@@ -270,8 +272,14 @@ def settle_collectives(timeout_s: float = 10.0) -> bool:
 # `CollectiveTimeoutError` that names the collective, this rank, the timeout and what to do,
 # with torch's error as its __cause__. The process then unwinds as from any error: the
 # engine's finalizer and the exit path delete its swap files (tests/test_timeouts.py).
+# From then on `settle_collectives` does not wait: works queued behind the failed one may
+# never release their tensors, and waiting for them held the exit 10 s for nothing.
 _PEER_LOST = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|"
                         r"socket closed", re.IGNORECASE)
+
+
+_LOST: list[bool] = [False]
+"""Whether a collective of this process raised `CollectiveTimeoutError` (see the note)."""
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -306,6 +314,7 @@ def _answered(what: str, pg: ProcessGroupInfo) -> Iterator[None]:
     except RuntimeError as exc:
         if isinstance(exc, CollectiveTimeoutError) or not peer_lost(exc):
             raise
+        _LOST[0] = True
         raise lost_peer_error(what, pg, exc) from exc
 
 
