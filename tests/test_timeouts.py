@@ -128,8 +128,11 @@ def test_the_error_names_collective_rank_peers_timeout_and_fix():
     text = str(lost_peer_error("all-gather of 8 elements per rank", pg, RuntimeError("Timed out waiting")))
     assert "rank 2 of 4: the all-gather of 8 elements per rank" in text
     assert "one of ranks 0..3 did not answer" in text and "collective_timeout_s=60 s" in text
+    died = str(lost_peer_error("barrier", pg, RuntimeError("[pair.cc:553] Connection closed by peer")))
+    assert "one of ranks 0..3 closed its connection (it died or exited" in died
+    assert "check the other ranks' logs" in died
     user = ProcessGroupInfo(rank=0, world_size=2, group=None, backend="cpu:gloo", started_here=False)
-    assert "your process group's timeout" in str(lost_peer_error("barrier", user, RuntimeError("x")))
+    assert "your process group's timeout" in str(lost_peer_error("barrier", user, RuntimeError("Timed out")))
 
 
 class _Failing:

@@ -299,9 +299,13 @@ def lost_peer_error(what: str, pg: ProcessGroupInfo, exc: BaseException) -> Coll
     peers = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
     limit = (f"collective_timeout_s={pg.timeout_s:g} s" if pg.timeout_s is not None
              else "your process group's timeout")
+    if re.search(r"timed out|timeout", str(exc), re.IGNORECASE):
+        happened = f"was not completed by the other ranks within {limit} ({peers} did not answer"
+    else:  # the connection closed at once: no timeout was waited for
+        happened = f"failed: {peers} closed its connection (it died or exited"
     return CollectiveTimeoutError(
-        f"rank {pg.rank} of {pg.world_size}: the {what} was not completed by the other ranks "
-        f"within {limit} ({peers} did not answer; torch.distributed: {str(exc).strip()[:200]}). "
+        f"rank {pg.rank} of {pg.world_size}: the {what} {happened}; torch.distributed: "
+        f"{str(exc).strip()[:200]}). "
         f"A rank stopped, died or is far behind: check the other ranks' logs for their error; "
         f"raise collective_timeout_s if steps are really this slow")
 
