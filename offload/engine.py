@@ -72,7 +72,7 @@ ConfigLike = Union[Config, Mapping[str, Any], str, "os.PathLike[str]", None]
 def initialize(
     model: nn.Module,
     config: ConfigLike = None,
-    optimizer: Any = None,
+    optimizer: Any = None,  # kinds.OptimizerArg: the user's union, resolved in optim/kinds.py
     lr_scheduler: Any = None,
 ) -> "Engine":
     """Wrap `model` for partitioned training; see `Engine`.
@@ -114,7 +114,7 @@ class Engine:
         model: nn.Module,
         config: Config,
         *,
-        optimizer: Any = None,
+        optimizer: Any = None,  # kinds.OptimizerArg
         lr_scheduler: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):

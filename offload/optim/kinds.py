@@ -28,7 +28,8 @@ from offload.optim.one_state import adagrad_step_flat, lion_step_flat
 from offload.storage.state_layout import StateSpec
 
 __all__ = ["REGISTRY", "KINDS", "MOMENT_FORMATS", "OptimizerKind", "kind_of", "state_names", "state_specs",
-           "base_group", "update_fn", "kind_of_torch_optimizer", "resolve_param_groups", "TORCH_TYPES"]
+           "base_group", "update_fn", "kind_of_torch_optimizer", "resolve_param_groups", "TORCH_TYPES",
+           "OptimizerArg", "KindLike"]
 
 # -- the updates: one builder per kernel family (module globals, so tests can swap a kernel) --
 
@@ -124,6 +125,12 @@ KINDS = tuple(REGISTRY)
 
 KindLike = Union[str, OptimizerKind]
 
+OptimizerArg = Any
+"""The user's `optimizer=` argument to `initialize` (and the planner): None, a dict of
+hyperparameters, a list of torch-style param groups, or a torch optimizer (any subclass,
+third-party ones included). A user-input union resolved here, in `resolve_param_groups`,
+which is why it stays `Any` at the signatures that pass it down unchanged."""
+
 
 def kind_of(kind: KindLike) -> OptimizerKind:
     """The record of `kind` (a record already, or a native kind's name)."""
@@ -173,7 +180,7 @@ def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerKind:
 
 
 def resolve_param_groups(
-    model: nn.Module, oc: OptimizerConfig, optimizer: Any
+    model: nn.Module, oc: OptimizerConfig, optimizer: OptimizerArg
 ) -> tuple[list[dict[str, Any]], dict[int, int], OptimizerKind]:
     """What `initialize(optimizer=...)` asks for, over `oc` (an `OptimizerConfig`):
     (hyperparameters per group, id(param) -> group index, the optimizer's kind: a native
@@ -230,7 +237,7 @@ the config keys it takes."""
 
 
 def _torch_optimizer_of_config(oc: OptimizerConfig, all_params: list,
-                               optimizer: Any) -> torch.optim.Optimizer:
+                               optimizer: OptimizerArg) -> torch.optim.Optimizer:
     """A config type of `TORCH_TYPES` as its torch optimizer: over every parameter with the
     config's hyperparameters, updated by a dict of them, or over the given param groups."""
     cls, keys = TORCH_TYPES[oc.type]
@@ -244,7 +251,7 @@ def _torch_optimizer_of_config(oc: OptimizerConfig, all_params: list,
     return cls(all_params if optimizer is None else list(optimizer), **hp)
 
 
-def _torch_defaults(optimizer: Any, kind: OptimizerKind) -> dict[str, Any]:
+def _torch_defaults(optimizer: OptimizerArg, kind: OptimizerKind) -> dict[str, Any]:
     """A torch optimizer of another type than the config's: its own defaults (a generic
     one's all of them, flags included: its class takes them back)."""
     if kind.generic:

@@ -30,7 +30,7 @@ from torch import nn
 from offload.config import Config, load_config
 from offload.config.sections import OptimizerTier, ParamTier
 from offload.dtypes import DTYPES, MOMENT_DTYPES
-from offload.optim.kinds import MOMENT_FORMATS, state_specs
+from offload.optim.kinds import MOMENT_FORMATS, OptimizerArg, state_specs
 from offload.optim.sharded import transient_grad_shards
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
 from offload.plan.tier_bytes import (
@@ -239,7 +239,7 @@ def plan(
     *,
     machine: Optional[Machine] = None,
     config: Any = None,
-    optimizer: Any = None,
+    optimizer: OptimizerArg = None,
     dtype: Optional[str] = None,
     moments: Optional[str] = None,
     units: Optional[int] = None,
@@ -357,7 +357,7 @@ def _ram_split(spec: Any, best: PlacementEstimate, m: Machine,
     return kept, split, max(0, best.disk_bytes_per_step - saved)
 
 
-def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimizer: Any,
+def _cheaper_options(model_or_params: Any, machine: Machine, cfg: Config, optimizer: OptimizerArg,
                      dtype: str, moments: str, units: Optional[int],
                      placements: Sequence[tuple[ParamTier, OptimizerTier]],
                      estimates: list[PlacementEstimate]) -> tuple[str, ...]:
@@ -436,7 +436,7 @@ def _problems(m: Machine, rank: TierBytes, node: TierBytes, work: int, pt: str, 
 # --------------------------------------------------------------------------------------
 
 
-def resolve_placement(model: nn.Module, config: Config, optimizer: Any, pg: ProcessGroupInfo,
+def resolve_placement(model: nn.Module, config: Config, optimizer: OptimizerArg, pg: ProcessGroupInfo,
                       device: torch.device) -> tuple[Config, Plan]:
     """`config` with param_tier / optimizer_tier chosen by the planner for this machine.
 

@@ -14,14 +14,14 @@ a training step. A bare parameter count is laid out as equal units through the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from offload.config import Config
 from offload.dtypes import DTYPES
-from offload.optim.kinds import state_specs
+from offload.optim.kinds import OptimizerArg, state_specs
 from offload.optim.sharded import host_state_bytes, resolve_param_groups
 from offload.sizes import align_up
 from offload.storage.state_layout import ADAM_STATE, StateSpec, param_align, uniform_specs
@@ -69,7 +69,7 @@ class ModelSpec:
         return sum(s.dtype.itemsize / s.per for s in self.states)
 
 
-def spec_from_model(model: nn.Module, config: Config, optimizer: Any, world_size: int,
+def spec_from_model(model: nn.Module, config: Config, optimizer: OptimizerArg, world_size: int,
                     p_bytes: int, moments: Optional[str] = None) -> ModelSpec:
     # Exactly Engine._build_units' grouping and layout (see [Note: the figures are the engine's]).
     plans = plan_units(model, config.unit_modules, config.leaf_modules)

@@ -34,6 +34,7 @@ from torch import nn
 import offload.units.materialize as materialize
 from offload.config.sections import Config
 from offload.optim.kind import OptimizerKind
+from offload.optim.kinds import OptimizerArg
 from offload.optim.sharded import (
     UnitOptimizerState,
     host_state_zeros,
@@ -96,7 +97,7 @@ def build(
     pg: ProcessGroupInfo,
     device: torch.device,
     dtype: torch.dtype,
-    optimizer: Any,
+    optimizer: OptimizerArg,
 ) -> Built:
     """Shard `model` for training (see the module docstring). `owner` is the object whose
     garbage collection deletes the swap files (the Engine)."""

@@ -105,7 +105,7 @@ class EngineState(enum.Enum):
     `close` are allowed; the error that caused it belongs to the step that raised it."""
 
 
-def bind(fn: Callable[..., Any], unit: Any) -> Callable[..., Any]:
+def bind(fn: Callable[..., Any], unit: Any) -> Callable[..., Any]:  # unit: whatever fn takes (generic)
     method = weakref.WeakMethod(fn)
 
     def hook(*args: Any) -> Any:
