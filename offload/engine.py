@@ -172,7 +172,7 @@ class Engine:
             device=self.device, dtype=self.dtype, units=self.units, states=self.states,
             optimizer=self.optimizer, param_tier=self.param_tier,
             optimizer_states=built.optimizer_states, nvme=self.nvme, scaler=self.policy.scaler,
-            counters=self.policy.counters, schedule=self.policy.schedule,
+            counters=self.policy.counters, schedule=self.policy.schedule, placement=built.placement,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
         self._register_hooks()  # then a DTensor load refused before the gathering's hooks run:

@@ -27,8 +27,9 @@ the checkpoint format transformers 4 and other readers know. In detail:
   floating-point buffers are cast to it too, others kept; buffers only as `state_dict()`
   gives them (persistent ones);
 - `config.json` with `dtype` and `architectures` set as transformers sets them.
-Transformers is never imported: the model's config is used through its own
-`save_pretrained` / `to_json_file`.
+This module does not import transformers: the model's config is used through its own
+`save_pretrained` / `to_json_file`, and the name reversal (hf_names.py) imports it only for
+a model that is a `transformers.PreTrainedModel`, when it is loaded already.
 
 [Note: save_pretrained atomicity] Everything is written into a staging directory beside the
 target (same filesystem) and fsynced. A new target is that directory renamed: it appears

@@ -27,8 +27,8 @@ from offload.optim.kind import MOMENT_FORMATS, OptimizerKind, UpdateFn
 from offload.optim.one_state import adagrad_step_flat, lion_step_flat
 from offload.storage.state_layout import StateSpec
 
-__all__ = ["REGISTRY", "KINDS", "MOMENT_FORMATS", "OptimizerKind", "kind_of", "state_names", "state_specs",
-           "base_group", "update_fn", "kind_of_torch_optimizer", "resolve_param_groups", "TORCH_TYPES",
+__all__ = ["REGISTRY", "KINDS", "MOMENT_FORMATS", "OptimizerKind", "kind_of", "state_specs",
+           "base_group", "kind_of_torch_optimizer", "resolve_param_groups", "TORCH_TYPES",
            "OptimizerArg", "KindLike"]
 
 # -- the updates: one builder per kernel family (module globals, so tests can swap a kernel) --
@@ -144,10 +144,6 @@ def kind_of(kind: KindLike) -> OptimizerKind:
                          ) from None
 
 
-def state_names(kind: KindLike) -> tuple[str, ...]:
-    return kind_of(kind).state_names
-
-
 def state_specs(kind: KindLike, moments: str = "fp32") -> tuple[StateSpec, ...]:
     """`OptimizerKind.specs` of `kind`."""
     return kind_of(kind).specs(moments)
@@ -160,12 +156,6 @@ def base_group(oc: OptimizerConfig) -> dict[str, Any]:
         value = getattr(oc, key)
         out[key] = tuple(value) if key == "betas" else value
     return out
-
-
-def update_fn(kind: KindLike, *, decoupled: bool, threads: int = 0,
-              adam_fn: Optional[Callable[..., None]] = None, moments: str = "fp32") -> UpdateFn:
-    """`OptimizerKind.update` of `kind`."""
-    return kind_of(kind).update(decoupled=decoupled, threads=threads, adam_fn=adam_fn, moments=moments)
 
 
 def kind_of_torch_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerKind:

@@ -196,7 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._fill_initial_state()
 
     def _adam(self) -> UpdateFn:
-        """The update one run calls (`offload.optim.kinds.update_fn`)."""
+        """The update one run calls (`OptimizerKind.update`, offload/optim/kind.py)."""
         return self.record.update(decoupled=self.decoupled_weight_decay, threads=self.threads,
                                   adam_fn=self._adam_fn, moments=self.moments)
 

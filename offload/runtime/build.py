@@ -329,7 +329,7 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     full_buffers = FullBuffers(budget) if pg.world_size == 1 and device.type == "cpu" else None
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)
-        on_nvme = tiers.placement.state_on_nvme[index]
+        on_nvme = tiers.placement.state[index].spec.on_disk
         # fp32 compute on the CPU: the parameter shard and the fp32 master are the same bytes,
         # so the optimizer updates the parameters in place and nothing is copied.
         alias_master = (

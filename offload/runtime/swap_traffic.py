@@ -12,7 +12,7 @@ The estimate is the engine's own arithmetic, the planner's disk model
 (`offload.plan.tier_bytes.disk_bytes_per_step`: 1 write of the master and state per
 trainable parameter, 1 write of each trainable parameter shard) applied to the engine's
 units as they were built: this rank's shard of each (its swap-slot sizes, page-rounded) and
-the per-unit placement `initialize` chose (units kept in RAM by `offload.ram_budget_bytes`
+the per-unit placement `initialize` chose (`ShardedState.placement`) (units kept in RAM by `offload.ram_budget_bytes`
 write nothing). Per node it is this rank's figure times the ranks on the node
 (`LOCAL_WORLD_SIZE`), an estimate: ranks' shards differ only by padding.
 tests/test_swap_traffic.py pins the figure to the bytes measured per step.
@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from offload.runtime.build import unit_placement
 from offload.runtime.view import ShardedState
 from offload.sizes import align_up, format_bytes
 from offload.storage.nvme import NVMeContext
@@ -45,7 +44,7 @@ def bytes_written_per_step(state: ShardedState) -> int:
     that is on NVMe (fp32 master and the optimizer's state tensors, this rank's shard)."""
     layouts = [u.layout for u in state.units]
     specs = tuple(state.optimizer.specs)
-    placement = unit_placement(state.config, state.pg, state.dtype, specs, layouts)
+    placement = state.placement  # the one initialize built, not a second choice made here
     itemsize, rank = state.dtype.itemsize, state.rank
     written = 0
     for lay, p_disk, s_disk in zip(layouts, placement.param_on_nvme, placement.state_on_nvme):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the seam's types; imported for the checker only (runtime/op
     from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
     from offload.runtime.loss_scaler import LossScaler
     from offload.storage.nvme import NVMeContext
+    from offload.storage.placement import Placement
     from offload.storage.state_store import OptimizerStates
     from offload.storage.tiers import Tier
     from offload.units.collectives import ProcessGroupInfo
@@ -97,6 +98,9 @@ class ShardedState:
     scaler: "LossScaler"
     """`LossScaler` (fp16 loss scale; its state_dict goes into checkpoints)."""
     counters: StepCounters
+    placement: "Placement"
+    """Per unit, the tier kind of its parameter shard and of its optimizer state (what
+    `initialize` built: offload/storage/placement.py)."""
     state_dict_index: list[StateDictEntry] = field(default_factory=list)
     """For each key of `module.state_dict()`, in order: what holds its value."""
     buffer_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
