@@ -176,6 +176,45 @@ def test_plan_equals_engine_memory_bytes_world_size_2(dtype, param_tier):
     assert 0 < max(gathered0, gathered1) <= est.working_device_bytes
 
 
+def _ws2_peak(rank: int, world_size: int, dtype: str, param_tier: str, n_layer: int):
+    """The engine's gathered bytes at their peak over forward and backward (sampled inside
+    every block, both ways), above what it holds between steps."""
+    cfg = config(dtype, "fp32", param_tier)
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(n_layer=n_layer), cfg)
+    resident = engine.memory_bytes()["device"]
+    peak = [0]
+
+    def sample(*_):
+        peak[0] = max(peak[0], engine.memory_bytes()["device"])
+
+    for blk in engine.module.blocks:
+        for sub in (blk.ln1, blk.ln2):
+            sub.register_forward_pre_hook(sample)
+            sub.register_full_backward_pre_hook(sample)
+    train_one_step(engine, rank, world_size)
+    train_one_step(engine, rank, world_size)  # the second follows the trace: prefetch and keep
+    engine.close()
+    return peak[0] - resident
+
+
+@pytest.mark.parametrize("dtype,param_tier", [("bf16", "cpu"), ("fp32", "device")])
+def test_working_set_covers_what_prefetch_and_keep_hold(dtype, param_tier):
+    """Issue #30, F6: the planner's working set counts the units kept gathered from forward
+    to backward (`keep_bytes`) and the next unit gathered ahead, so it bounds the peak the
+    engine reaches over a whole step; without them (the old estimate) it falls short."""
+    n_layer = 12  # more kept blocks than the old estimate's gradients and reduce buffer cover
+    gathered = max(run_distributed(_ws2_peak, 2, dtype, param_tier, n_layer, init_group=False))
+    with torch.device("meta"):
+        meta = TinyGPT(n_layer=n_layer)
+    cfg = config(dtype, "fp32", param_tier)
+    est = plan(meta, machine=cpu_machine(world_size=2), config=cfg).estimate(param_tier, "cpu")
+    assert 0 < gathered <= est.working_device_bytes
+    no_prefetch = dataclasses.replace(cfg, prefetch={"prefetch_bytes": 0, "keep_bytes": 0})
+    old = plan(meta, machine=cpu_machine(world_size=2), config=no_prefetch).estimate(param_tier, "cpu")
+    assert old.working_device_bytes < gathered  # negative control: what the old estimate said
+
+
 @pytest.mark.parametrize("dtype,param_tier", [("bf16", "cpu"), ("fp32", "device")])
 def test_plan_equals_engine_memory_bytes_at_stage_2(dtype, param_tier):
     """ZeRO stage 2: the planner adds every unit's full buffer, resident on the compute

@@ -294,7 +294,9 @@ def plan(
             for rb in rank_list[start : start + machine.local_ranks]:
                 node = node + rb
             per_node = per_node.max(node)
-        work = working_bytes(spec, pt, p_bytes=p_bytes, on_gpu=on_gpu, world_size=ws)
+        work = working_bytes(spec, pt, p_bytes=p_bytes, on_gpu=on_gpu, world_size=ws,
+                             prefetch_bytes=cfg.prefetch.prefetch_bytes,
+                             keep_bytes=cfg.prefetch.keep_bytes, stage=cfg.zero_stage)
         if transient:  # the fp32 gradient shards of the units between reduce and update
             work += 2 * max((u.layout.shard_master_numel(0) * 4 for u in spec.units), default=0)
         disk = disk_bytes_per_step(spec, pt, ot, p_bytes=p_bytes, world_size=ws)

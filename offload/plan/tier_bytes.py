@@ -222,25 +222,50 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
 
 
 def working_bytes(spec: ModelSpec, param_tier: str, *, p_bytes: int, on_gpu: bool,
-                  world_size: int) -> int:
-    """Compute-device bytes the engine adds during forward/backward (an estimate, not
-    counting activations): the root's full buffer and gradients (held from its forward to
-    the end of backward), plus the largest other unit's full buffer, its gradients and the
-    fp32 flat buffer its reduce-scatter uses. Prefetch (issue 7) adds up to
-    `prefetch.prefetch_bytes + prefetch.keep_bytes` on top when it lands."""
-    bucket = TierKind.of(param_tier).spec.bucket
-    shard_on_device = bucket == "device" or (bucket == "host" and not on_gpu)
-    aliased = world_size == 1 and shard_on_device
+                  world_size: int, prefetch_bytes: int = 0, keep_bytes: int = 0,
+                  stage: int = 3) -> int:
+    """Compute-device bytes the engine adds during forward/backward, an upper bound (not
+    counting activations), from the schedule's rules (offload/runtime/schedule.py):
+    - the root's full buffer and gradients (held from its forward to the end of backward);
+    - the unit in use: its full buffer, its gradients and the fp32 flat buffer its
+      reduce-scatter uses (the largest unit's);
+    - what is gathered ahead: at world size > 1 the next unit's all-gather is issued under
+      this one's compute whatever the budget (one full buffer, the largest); where a fetch
+      ahead lands in the unit's full buffer (a host shard copied to the GPU, an NVMe shard
+      read straight into it at world size 1 on the CPU) the units within `prefetch_bytes`,
+      and always the next one (issue #30, F8);
+    - what is kept gathered from forward to backward: at most `keep_bytes`;
+    all of it at most every unit's full buffer at once (issue #30, F6). An NVMe read ahead
+    lands in the pinned staging pool, counted in `rank_bytes`' 'pinned'. At stages 1 and 2
+    every full buffer is resident, counted in `rank_bytes`: none is added here."""
+    kind = TierKind.of(param_tier).spec
+    shard_on_device = kind.bucket == "device" or (kind.bucket == "host" and not on_gpu)
+    aliased = (world_size == 1 and shard_on_device) or stage < 3
     fast_reduce = world_size == 1 and not on_gpu  # straight into the host grad shard
 
+    def full(u: UnitSpec) -> int:
+        return 0 if aliased else u.layout.padded_numel * p_bytes
+
     def unit_bytes(u: UnitSpec) -> int:
-        full = 0 if aliased else u.layout.padded_numel * p_bytes
         grads = u.layout.numel * p_bytes if u.trainable else 0
         reduce = 0 if fast_reduce or not u.trainable else u.layout.padded_numel * 4
-        return full + grads + reduce
+        return full(u) + grads + reduce
 
     root, rest = spec.units[0], spec.units[1:]
-    return unit_bytes(root) + max((unit_bytes(u) for u in rest), default=0)
+    if not rest:
+        return unit_bytes(root)
+    fulls = [full(u) for u in rest]
+    lands_in_full = (kind.bucket == "host" and on_gpu) or (kind.on_disk and world_size == 1 and not on_gpu)
+    ahead = 0
+    if prefetch_bytes > 0:
+        if lands_in_full:
+            ahead = max(prefetch_bytes, max(fulls))
+        elif world_size > 1:
+            ahead = max(fulls)
+    keep = max(0, keep_bytes)
+    in_use = max(unit_bytes(u) for u in rest)
+    at_once = max(unit_bytes(u) - full(u) for u in rest) + sum(fulls)  # every full buffer
+    return unit_bytes(root) + min(in_use + ahead + keep, at_once)
 
 
 def disk_bytes_per_step(spec: ModelSpec, param_tier: str, optimizer_tier: str, *, p_bytes: int,
