@@ -122,6 +122,24 @@ def test_plan_equals_engine_memory_bytes_cuda(dtype, param_tier):
     engine.close()
 
 
+@pytest.mark.cuda
+def test_gpu_free_memory_counts_the_allocators_cached_blocks():
+    """Issue #30, F6: memory torch's caching allocator keeps after a free is this process's
+    to use; the driver reports it used, so `initialize` saw that much less GPU memory."""
+    from offload.plan.machine import gpu_free_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = gpu_free_bytes(device)
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    assert gpu_free_bytes(device) < before - (1 << 29)  # in use: not free
+    del block  # cached by the allocator, not returned to the driver
+    driver_free, _ = torch.cuda.mem_get_info(device)
+    assert driver_free < before - (1 << 29)  # the driver still counts it used (the old figure)
+    assert gpu_free_bytes(device) >= before - (64 << 20)
+    cfg = Config(compute_device="cuda")
+    assert machine_mod.machine_from_system(cfg, device, 1).gpu_mem_bytes >= before - (64 << 20)
+
+
 def test_plan_honours_param_groups_like_initialize():
     # Groups change the layout (group order, alignment between groups) and a parameter in no
     # group gets no moments: the planner takes the same `optimizer=` as initialize.

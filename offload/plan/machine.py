@@ -18,7 +18,7 @@ import torch
 from offload.config import Config
 from offload.sizes import format_bytes, parse_bytes
 
-__all__ = ["Machine", "DEFAULT_RESERVES", "make_machine", "machine_from_system",
+__all__ = ["Machine", "DEFAULT_RESERVES", "make_machine", "machine_from_system", "gpu_free_bytes",
            "mem_available_bytes", "format_size"]
 
 
@@ -126,6 +126,15 @@ def mem_available_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def gpu_free_bytes(device: torch.device) -> int:
+    """GPU memory this process can still use: what the driver reports free, plus what torch's
+    caching allocator holds in blocks no tensor uses (the driver counts those as used, and
+    the engine allocates from them first: issue #30, F6)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(0, int(cached))
+
+
 def machine_from_system(config: Config, device: torch.device, world_size: int,
                         ranks_per_node: Optional[int] = None) -> Machine:
     """This node as it is now: free GPU memory of `device`, MemAvailable, free space under
@@ -133,8 +142,7 @@ def machine_from_system(config: Config, device: torch.device, world_size: int,
     gpus, gpu_mem = 0, None
     local = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        gpus, gpu_mem = local, int(free)
+        gpus, gpu_mem = local, gpu_free_bytes(device)
     nvme = None
     path = config.offload.nvme_path
     if path and os.path.isdir(path):
