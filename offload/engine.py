@@ -61,6 +61,7 @@ from offload.runtime.schedule import Phase
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import ShardedState
 from offload.units.deferred import suspended
+from offload.units.mesh import setup_groups
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
@@ -123,11 +124,10 @@ class Engine:
         self.module = model
         device_type = _dist.resolve_device(config.compute_device).type
         self.dtype = DTYPES[config.precision.dtype]
-        # The group first: starting it from torchrun's env selects this rank's GPU
-        # (LOCAL_RANK), which the compute device must then be.
-        self.pg = _dist.setup_process_group(device_type, float(config.collective_timeout_s))
+        # The groups first (from torchrun's env they select LOCAL_RANK's GPU, the compute device)
+        self.pg = setup_groups(config, device_type)  # the units' group: HSDP's is its shard group
         self.device = _dist.resolve_device(config.compute_device)
-        self.rank, self.world_size = self.pg.rank, self.pg.world_size
+        self.rank, self.world_size = self.pg.world.rank, self.pg.world.world_size  # every rank
         self.placement_plan = None
         if config.offload.placement == "auto":  # the planner picks the tiers (offload.plan)
             from offload.plan import resolve_placement
@@ -152,13 +152,13 @@ class Engine:
         self.optimizer_states = built.optimizer_states
         self.optimizer = ShardedAdam(
             built.param_groups, self.states, decoupled_weight_decay=built.decoupled_weight_decay,
-            rank=self.rank, param_tier=self.param_tier, threads=resolve_threads(config.cpu_adam_threads),
+            rank=self.pg.rank, param_tier=self.param_tier, threads=resolve_threads(config.cpu_adam_threads),
             store=built.optimizer_states, kind=built.kind, moments=config.optimizer.moments_dtype)
         tl = config.timeline
         self.timeline = Timeline(tl.enabled, tl.path,
                                  io_stats=None if self.nvme is None else self.nvme.stats)
         self.gather = Gatherer(self.units, self.param_tier, config.prefetch, self.dtype,
-                               self.world_size, self.timeline)
+                               self.pg.world_size, self.timeline)
         self.policy = StepPolicy(config, self.dtype, self.optimizer, self.states, self.pg,
                                  self.device, self.timeline, self.nvme, built.transient_grads)
         self.backward_tracker = BackwardTracker(self.units, self.states, built.transient_grads,
@@ -168,7 +168,7 @@ class Engine:
         self.grads = Gradients(model, self.units, self.states, self.policy, self.pg, self.device)
         self.param_state = ParamState(self.grads, self.units, self.optimizer, self.pg, self.device, self.policy)
         self.sharded_state = ShardedState(
-            module=model, config=config, rank=self.rank, world_size=self.world_size, pg=self.pg,
+            module=model, config=config, rank=self.pg.rank, world_size=self.pg.world_size, pg=self.pg,
             device=self.device, dtype=self.dtype, units=self.units, states=self.states,
             optimizer=self.optimizer, param_tier=self.param_tier,
             optimizer_states=built.optimizer_states, nvme=self.nvme, scaler=self.policy.scaler,

@@ -202,16 +202,16 @@ def test_checkpoints_wait_for_the_worker(tmp_path):
 
 def _slow_side_streams(monkeypatch) -> None:
     """Hold back the gradient copies down and the parameter uploads on their streams."""
-    import offload.units.shard as shard
+    import offload.units.grad_reduce as grad_reduce
 
-    orig = shard._copy_down
+    orig = grad_reduce._copy_down
 
     def slow_copy_down(src, dst):
         with torch.cuda.stream(side_stream(src.device, "d2h")):
             torch.cuda._sleep(2_000_000)
         return orig(src, dst)
 
-    monkeypatch.setattr(shard, "_copy_down", slow_copy_down)
+    monkeypatch.setattr(grad_reduce, "_copy_down", slow_copy_down)
 
 
 @pytest.mark.cuda

@@ -50,6 +50,7 @@ from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, Shard
 from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.view import Location, ShardedState
 from offload.units import collectives as _dist
+from offload.units.groups import refuse_replicated
 
 
 def save_checkpoint(
@@ -66,6 +67,7 @@ def save_checkpoint(
     `save_dir/latest` at it. Every rank must call it. Returns the checkpoint's path. See the
     module docstring. `staging`: the engine's, kept between checkpoints (None: one for this
     call)."""
+    refuse_replicated(sharded.pg, "engine.save_checkpoint")
     save_dir = os.fspath(save_dir)
     tag = files.check_tag(tag if tag is not None else f"global_step{sharded.counters.global_steps}")
     if any(st.grad_valid for st in sharded.states):

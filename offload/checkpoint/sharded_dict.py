@@ -55,6 +55,7 @@ import torch
 import offload.units.collectives as _dist
 from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
+from offload.units.groups import refuse_replicated
 from offload.units.layout import FROZEN_GROUP, ParamSlot, intersect
 from offload.units.shard import FlatUnit
 
@@ -117,6 +118,7 @@ def _mesh(sharded: ShardedState) -> Optional["DeviceMesh"]:
     Its device type is "cpu" whatever the group's backend: the dicts live in host memory,
     where the state does, and `DTensor.from_local` copies a local tensor to its mesh's
     device type. DCP reads only the mesh's shape and this rank's coordinate."""
+    refuse_replicated(sharded.pg, "engine.sharded_state_dict()")  # HSDP's replicas: not yet
     if sharded.pg.group is None:
         return None
     return _dt().DeviceMesh.from_group(sharded.pg.group, "cpu")
@@ -357,6 +359,7 @@ def load_model_state_dict(sharded: ShardedState, state_dict: Mapping[str, Any],
     `model_state_dict` makes them, at any world size once DCP has re-sharded them, or whole
     tensors) into the fp32 masters and parameter shards; buffers copied whole. Every rank
     calls it with the same keys. `strict`: exactly `model.state_dict()`'s keys."""
+    refuse_replicated(sharded.pg, "engine.load_sharded_state_dict()")
     _prepare(sharded, "engine.load_sharded_state_dict")
     _check_keys((e.key for e in sharded.state_dict_index), state_dict, "the sharded state dict", strict)
     per_unit: dict[int, list[tuple[int, str, Any]]] = {}
@@ -395,6 +398,7 @@ def load_optimizer_state_dict(sharded: ShardedState, state_dict: Mapping[str, An
     count (as `optimizer_state_dict` makes them, re-sharded by DCP or whole) into this rank's
     optimizer state, and every group's hyperparameters; the masters are left as they are.
     Every rank calls it with the same keys."""
+    refuse_replicated(sharded.pg, "engine.load_sharded_optimizer_state_dict()")
     _prepare(sharded, "engine.load_sharded_optimizer_state_dict")
     names = _state_names(sharded)
     groups = state_dict["param_groups"]

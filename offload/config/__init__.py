@@ -4,7 +4,7 @@
 everything past it sees only the typed dataclasses of `offload.config.sections`.
 
 Modules, bottom to top: `checks` (errors, value checks, the `Section` base) -> `deepspeed_keys`
-(DeepSpeed's top-level keys by kind) -> `monitor_sections` (timeline, logging, monitors) ->
+(DeepSpeed's top-level keys by kind) -> `monitor_sections` (timeline, logging, monitors), `sharding` (HSDP, hpZ) ->
 `sections` (the other dataclasses and the `Config` tree) -> `deepspeed_zero`,
 `deepspeed` (the DeepSpeed translation) -> `load` (`load_config`, files, format detection).
 """
@@ -24,6 +24,7 @@ from offload.config.sections import (
     PrecisionConfig,
     PrefetchConfig,
     SchedulerConfig,
+    ShardingConfig,
     TensorBoardConfig,
     TimelineConfig,
     WandbConfig,
@@ -34,5 +35,5 @@ __all__ = [
     "AIOConfig", "PrefetchConfig", "TimelineConfig", "LoggingConfig", "MonitorsConfig",
     "TensorBoardConfig", "WandbConfig", "CSVMonitorConfig", "ConfigError", "ConfigTypeError",
     "DeepSpeedConfigWarning", "load_config", "read_config_file", "from_file", "from_deepspeed", "SCHEDULER_PARAMS",
-    "ActivationCheckpointingConfig",
+    "ActivationCheckpointingConfig", "ShardingConfig",
 ]

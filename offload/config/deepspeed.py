@@ -49,7 +49,7 @@ from offload.config.deepspeed_keys import (
     read_section,
 )
 from offload.config.deepspeed_io import translate_aio, translate_checkpoint, translate_prefetch
-from offload.config.deepspeed_zero import translate_zero
+from offload.config.deepspeed_zero import translate_sharding, translate_zero
 from offload.config.sections import (
     SCHEDULER_PARAMS,
     AIOConfig,
@@ -61,6 +61,7 @@ from offload.config.sections import (
     PrecisionConfig,
     PrefetchConfig,
     SchedulerConfig,
+    ShardingConfig,
     ActivationCheckpointingConfig,
 )
 
@@ -160,6 +161,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     _logging(t)
     _activation_checkpointing(t)
     translate_prefetch(t)
+    translate_sharding(t)
     translate_checkpoint(t)
     try:
         sections = t.sections
@@ -172,6 +174,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
                         monitors=MonitorsConfig(**sections["monitors"]),
                         activation_checkpointing=ActivationCheckpointingConfig(
                             **sections["activation_checkpointing"]),
+                        sharding=ShardingConfig(**sections["sharding"]),
                         scheduler=scheduler, ignored_keys=tuple(sorted(t.ignored)),
                         notes=tuple(t.notes), **sections["top"])
     except ConfigError as e:
@@ -189,11 +192,13 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
     return config
 
 
-OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules", "prefetch")
+OFFLOAD_EXTENSIONS = ("unit_modules", "leaf_modules", "prefetch", "sharding")
 """offload's keys that a DeepSpeed-format config may carry at its top level (docs/config.md):
 the unit choice, and offload's `prefetch` section (e.g. `"prefetch": {"optimizer_in_backward":
 false}`, the fix for reading gradients between backward and step), whose keys win over what
-the translation derived from `zero_optimization`."""
+the translation derived from `zero_optimization`; and its `sharding` section (HSDP, hpZ: the
+place DeepSpeed's removed `mics_shard_size` points at), which wins over
+`zero_optimization.zero_hpz_partition_size` in the same way."""
 
 
 _DS_OWN_AUTO = ("data_types.keep_in_fp32_modules", "pipeline.", "zero_optimization.zenflow.")

@@ -88,7 +88,7 @@ class Translation:
     ds: Mapping[str, Any]
     sections: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         name: {} for name in ("offload", "optimizer", "precision", "aio", "prefetch", "logging",
-                              "monitors", "activation_checkpointing", "top")})
+                              "monitors", "activation_checkpointing", "sharding", "top")})
     ignored: dict[str, str] = field(default_factory=dict)
     """DeepSpeed key path -> why it is not honoured."""
     notes: list[str] = field(default_factory=list)

@@ -8,13 +8,14 @@ kinds of keys); this section is the largest and the one whose units differ most 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from offload.config.checks import ConfigError, coerce, positive_int, rule_error
 from offload.config.deepspeed_keys import Translation, class_names, only_off, read_section
-from offload.config.sections import OffloadConfig
+from offload.config.sections import OffloadConfig, ShardingConfig
 
-__all__ = ["translate_zero"]
+__all__ = ["translate_zero", "translate_sharding"]
 
 _ZERO_ALIASES = {
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
@@ -34,6 +35,7 @@ _ZERO_MAPPED = frozenset({
     "sub_group_size", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
     "compute_grad_norm", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
     "zero_quantized_gradients", "zenflow", "leaf_module", "gather_16bit_weights_on_model_save",
+    "zero_hpz_partition_size",
 })
 
 _ZERO_IGNORED = {
@@ -57,7 +59,6 @@ _ZERO_IGNORED = {
     "legacy_stage1": "a stage 1 option",
     "round_robin_gradients": "a stage 1/2 option",
     "parameter_alignment": "a stage 1/2 option",
-    "zero_hpz_partition_size": "offload has no hierarchical partitioning",
     "memory_efficient_linear": "offload patches no modules",
     "pipeline_loading_checkpoint": "checkpoint detail",
     "override_module_apply": "offload patches no modules",
@@ -87,6 +88,27 @@ offload_optimizer.buffer_count (deepspeed/runtime/zero/offload_config.py)."""
 _DEVICE = Literal["none", "cpu", "nvme"]
 
 
+def _removed(full: str, key: str, value: Any) -> ConfigError:
+    """The error for a key DeepSpeed 0.19 removed; MiCS's shard size names offload's own
+    section, which does what it did (shard within groups, replicate across)."""
+    if key == "mics_shard_size":
+        return ConfigError(full, f"= {value!r} was removed from DeepSpeed (0.19 rejects it); offload's "
+                           "hybrid sharding does what MiCS did (shard within groups of ranks, "
+                           "replicate across them)",
+                           f'remove it and add offload\'s section "sharding": {{"shard_group_size": '
+                           f'{value!r}}} at the top level of this config (docs/multinode.md)')
+    return ConfigError(full, "was removed from DeepSpeed (0.19 rejects it) and offload does "
+                       "not implement it", "remove it")
+
+
+def translate_sharding(t: Translation) -> None:
+    """A DeepSpeed config's top-level `sharding`: offload's own section (HSDP, hpZ), applied
+    after zero_optimization, so it wins over `zero_hpz_partition_size`."""
+    names = [f.name for f in dataclasses.fields(ShardingConfig)]
+    for key, value in read_section("sharding", t.ds.get("sharding"), names).items():
+        t.set(f"sharding.{key}", value, f"sharding.{key}")
+
+
 def translate_zero(t: Translation, elem_bytes: int) -> None:
     """zero_optimization -> offload (tiers, nvme_path, pinning, budget) and prefetch."""
     raw = t.ds.get("zero_optimization")
@@ -101,8 +123,7 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
     for key, value in read_section("zero_optimization", raw, known).items():
         full = f"zero_optimization.{key}"
         if key in _ZERO_REMOVED:
-            raise ConfigError(full, "was removed from DeepSpeed (0.19 rejects it) and offload does "
-                              "not implement it", "remove it")
+            raise _removed(full, key, value)
         name = _ZERO_ALIASES.get(key, key)
         if name in zero:
             raise ConfigError(full, f"and {key_of[name]} are two names for one setting",
@@ -129,6 +150,13 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
         only_off(key_of.get(name, name), zero.get(name), False, why, "remove it")
     only_off(key_of.get("compute_grad_norm", ""), zero.get("compute_grad_norm"), True,
              "ZeRO stage 3 always computes the gradient norm (DeepSpeed rejects false too)", "remove it")
+    if zero.get("zero_hpz_partition_size") is not None and stage < 3:
+        t.ignore(key_of["zero_hpz_partition_size"], "hpZ's secondary partition exists at stage 3 only "
+                 "(DeepSpeed ignores it below)")
+    elif zero.get("zero_hpz_partition_size") is not None:
+        key = key_of["zero_hpz_partition_size"]  # honoured: offload's sharding.hpz_partition_size
+        t.set("sharding.hpz_partition_size", positive_int(key, zero["zero_hpz_partition_size"],
+                                                          "use 1 (off) or the ranks per node"), key)
     if zero.get("leaf_module") is not None:
         _leaf_module(t, zero["leaf_module"], key_of["leaf_module"])
     if zero.get("zenflow") is not None:

@@ -41,6 +41,7 @@ from offload.config.monitor_sections import (
     TimelineConfig,
     WandbConfig,
 )
+from offload.config.sharding import ShardingConfig
 from offload.sizes import ALIGNMENT, GiB, MiB
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "WandbConfig",
     "CSVMonitorConfig",
     "ActivationCheckpointingConfig",
+    "ShardingConfig",
     "SCHEDULER_PARAMS",
 ]
 
@@ -412,6 +414,8 @@ class Config(Section):
     monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """Past one node: HSDP or ZeRO++ hpZ (offload/config/sharding.py, docs/multinode.md)."""
     gradient_clipping: float = 0.0
     """Global-norm gradient clipping threshold; 0 disables."""
     gradient_accumulation_steps: int = 1
@@ -483,6 +487,9 @@ class Config(Section):
                 self.zero_stage, "stages 1 and 2 keep the parameters whole on the compute device, "
                 "so an NVMe parameter tier would only add a write and a read of every shard per step",
                 "use zero_stage 3 with offload.param_tier 'nvme', or param_tier 'device' / 'cpu'")
+        require(self.zero_stage == 3 or not self.sharding.hybrid, "zero_stage", self.zero_stage,
+                "hybrid sharding (sharding.shard_group_size / hpz_partition_size) runs at stage 3 only",
+                "use zero_stage 3, or leave the sharding section out")
 
 
     # -- ways in ---------------------------------------------------------------------

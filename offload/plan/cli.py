@@ -19,6 +19,7 @@ from offload.dtypes import DTYPES
 from offload.optim.kinds import MOMENT_FORMATS
 from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
 from offload.plan.planner import plan
+from offload.plan.sharding import compare_sharding
 from offload.plan.stages import compare_stages
 from offload.plan.tier_bytes import default_units
 from offload.sizes import parse_bytes, parse_count
@@ -46,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-path", default=None, help="measure free space of this directory")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks in the job (default: --gpus, or 1); more than --gpus means several nodes")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes in the job: world size = nodes x ranks per node (--ranks-per-node, else --gpus)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks on one node (default: --gpus; on the CPU, 1 with --nodes)")
+    p.add_argument("--sharding", action="store_true",
+                   help="compare full sharding, hpZ and HSDP on these nodes (host memory per node, "
+                        "bytes within and across nodes) and recommend one (offload.plan.sharding)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="compute dtype")
     p.add_argument("--moments", default="fp32", choices=list(MOMENT_FORMATS), help="optimizer state dtype (8bit: Adam's blockwise 8-bit moments)")
     p.add_argument("--units", type=int, default=None,
@@ -98,8 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             on_memory = memory_backed(args.nvme_path, "--nvme-path")
             if on_memory is not None:
                 print(f"warning: {on_memory}", file=sys.stderr)
+        per_node, world = _ranks(args, gpus)
         machine = make_machine(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_free=nvme,
-                               world_size=args.world_size, gpu_reserve=args.gpu_reserve,
+                               world_size=world, ranks_per_node=per_node, gpu_reserve=args.gpu_reserve,
                                cpu_reserve=args.cpu_reserve, nvme_reserve=args.nvme_reserve)
         cfg = Config.from_dict({"offload": {"pinned_budget_bytes": parse_bytes(args.pinned_budget)},
                                 "precision": {"dtype": args.dtype},
@@ -110,11 +119,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.trainable is not None:
             what = _frozen_split_model(count, _param_count(args.trainable, "--trainable"), args.units)
             kw = {}
-        result: Any = (compare_stages if args.stages else plan)(what, machine=machine, config=cfg, **kw)
+        if args.stages and args.sharding:
+            raise ValueError("--stages and --sharding are two comparisons; ask for one (hybrid "
+                             "sharding runs at stage 3)")
+        compare = compare_stages if args.stages else compare_sharding if args.sharding else plan
+        result: Any = compare(what, machine=machine, config=cfg, **kw)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     return 0 if result.recommended is not None else 1
+
+
+def _ranks(args: argparse.Namespace, gpus: int) -> tuple[Optional[int], Optional[int]]:
+    """(ranks per node, world size) from --nodes / --ranks-per-node / --world-size."""
+    per_node = args.ranks_per_node
+    if per_node is not None and per_node < 1:
+        raise ValueError(f"--ranks-per-node {per_node}: a node runs at least one rank")
+    if args.nodes is None:
+        return per_node, args.world_size
+    if args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes}: a job has at least one node")
+    per_node = per_node or gpus or 1
+    if args.world_size is not None and args.world_size != args.nodes * per_node:
+        raise ValueError(f"--world-size {args.world_size} differs from --nodes {args.nodes} x "
+                         f"{per_node} ranks per node; give one of them")
+    return per_node, args.nodes * per_node
 
 
 def _frozen_split_model(params: int, trainable: int, units: Optional[int]) -> nn.Module:

@@ -167,7 +167,7 @@ class _Tiers:
             if uses_nvme:
                 _check_nvme(config, pg, dtype, specs, planned, self.placement)
                 self.nvme = NVMeContext(
-                    swap_path(config), pg.rank,
+                    swap_path(config), pg.world.rank,  # HSDP: replicas share a shard rank
                     budget_bytes=int(off.pinned_budget_bytes),
                     block_size=config.aio.block_size,
                     queue_depth=config.aio.queue_depth,
@@ -303,7 +303,7 @@ def _check_nvme(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype, specs:
 def _agree_on(error: Optional[BaseException], pg: ProcessGroupInfo, device: torch.device) -> None:
     """Raise `error` on this rank, and an error naming the failure on every other rank."""
     if pg.world_size > 1:
-        flag = torch.tensor([0.0 if error is None else float(pg.rank + 1)])
+        flag = torch.tensor([0.0 if error is None else float(pg.world.rank + 1)])
         failed = int(all_reduce_host(flag, "max", pg, device).item())
         if error is None and failed:
             raise RuntimeError(

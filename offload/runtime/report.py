@@ -14,8 +14,9 @@ and INFO (the lines below) is shown once the application asks for it:
   device);
 - every `logging.steps_per_print` optimizer steps, one INFO line (the step report): step,
   loss, learning rate, gradient norm, loss scale, step time, tokens/s, stall share, memory
-  per tier, with an NVMe tier the swap bytes written and read per step (measured), and with
-  `logging.wall_clock_breakdown` the stall's parts. With an NVMe tier `initialize` also logs
+  per tier, with an NVMe tier the swap bytes written and read per step (measured), past
+  world size 1 the bytes the step's collectives sent within and across nodes
+  (offload/runtime/collective_traffic.py), and with `logging.wall_clock_breakdown` the stall's parts. With an NVMe tier `initialize` also logs
   the terabytes the node writes per 1,000 steps (offload/runtime/swap_traffic.py). Times are means over
   the steps since the previous report; the loss is the mean over the micro-batches of the
   reported step (this rank's: no collective is added);
@@ -40,6 +41,7 @@ import torch
 from offload.config.sections import Config
 from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.accounting import memory_bytes
+from offload.runtime.collective_traffic import CollectiveMeter, collective_text
 from offload.runtime.monitors import Monitor, open_monitors
 from offload.runtime.swap_traffic import SwapMeter, WearEstimate, swap_text, wear_estimate
 from offload.runtime.timeline import StepStats
@@ -131,6 +133,8 @@ class StepReporter:
         self.last: Optional[dict[str, Any]] = None
         self.swap = SwapMeter(state.nvme, state.pg.local_world_size)
         """The step report's swap bytes per step (taken when a report is logged)."""
+        self.collectives = CollectiveMeter(state.pg)
+        """The step report's collective bytes per step, within and across nodes."""
         self.wear: Optional[WearEstimate] = None
         """`log_built`'s estimate of the swap bytes written per step (None: no NVMe tier)."""
 
@@ -175,7 +179,8 @@ class StepReporter:
         loss = sum(losses) / len(losses) if losses else None
         memory = memory_bytes(self.state)  # once, for the log and the monitors
         if log_due:
-            self.last = {**self._record(n, loss, log_means or {}, memory), **(self.swap.per_step(n) or {})}
+            self.last = {**self._record(n, loss, log_means or {}, memory), **(self.swap.per_step(n) or {}),
+                         **(self.collectives.per_step(n) or {})}
             logger.info(self._line(self.last), extra={"step_report": self.last})
         if monitor_due:
             record = self._record(n, loss, self._monitor_window.take(), memory)
@@ -258,6 +263,8 @@ class StepReporter:
                 f"{r['optimizer_in_backward_s']:.3f} s in backward)")
         if "swap_written_bytes" in r:
             parts.append(swap_text(r))
+        if "collective_across_nodes_bytes" in r:
+            parts.append(collective_text(r))
         parts.append("memory " + _memory_text(r["memory"]))
         return " | ".join(parts)
 

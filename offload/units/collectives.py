@@ -20,11 +20,12 @@ import os
 import pickle
 import re
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from offload.units.groups import ProcessGroupInfo, uses_nccl
 
 # torchrun (and `torch.distributed.launch`) export these; with all of them present we can
 # start the group ourselves with the `env://` rendezvous.
@@ -37,56 +38,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 logger = logging.getLogger("offload")
 
-
-def uses_nccl(backend: Optional[str]) -> bool:
-    """Whether a group whose backend torch reports as `backend` runs CUDA tensors'
-    collectives on NCCL: "nccl" itself, or a per-device map that names it for cuda
-    ("cuda:nccl", "cpu:gloo,cuda:nccl": what `dist.get_backend_config` reports, and what
-    older torch's `get_backend` reported for a default group started without a backend).
-    None (no group), "gloo", "cpu:gloo,cuda:gloo": False."""
-    if not backend:
-        return False
-    for entry in backend.lower().split(","):
-        device, _, name = entry.strip().rpartition(":")
-        if name == "nccl" and device in ("", "cuda"):
-            return True
-    return False
-
-
-@dataclass(frozen=True)
-class ProcessGroupInfo:
-    """Which rank we are, how many there are, and the group collectives run on.
-
-    `group` is None when the world size is 1 and no process group exists; every collective
-    below is then a local no-op (or a copy), so the engine never branches on it.
-    """
-
-    rank: int
-    world_size: int
-    group: Optional[dist.ProcessGroup]
-    backend: Optional[str]
-    """The group's backend per device as torch reports it (`dist.get_backend_config`:
-    "cpu:gloo,cuda:gloo" for a gloo group, "cuda:nccl", "cpu:gloo,cuda:nccl", ...); None
-    without a group. Compare it through `nccl`, never to a name: a group the user started
-    without a backend is NCCL on CUDA yet is not called "nccl" (issue #30, F10)."""
-    started_here: bool
-    """True when the group is offload's: `setup_process_group` created it, for this engine or
-    an earlier one of the process ([Note: the group offload starts])."""
-    timeout_s: Optional[float] = None
-    """The group's collective timeout in seconds when offload started it
-    (`collective_timeout_s`); None for a group the user started (its own timeout applies)."""
-
-    @property
-    def nccl(self) -> bool:
-        """Whether CUDA tensors' collectives on this group run on NCCL (`uses_nccl`)."""
-        return uses_nccl(self.backend)
-
-    @property
-    def local_world_size(self) -> int:
-        """Ranks on this node (they share its disk): torchrun's LOCAL_WORLD_SIZE, or, from a
-        launcher that does not say, every rank (one node)."""
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        return max(1, min(int(local), self.world_size)) if local.isdigit() else self.world_size
+# ProcessGroupInfo and uses_nccl live in offload/units/groups.py (with hybrid sharding's
+# groups); this module's import path for them is documented and stays.
 
 
 def setup_process_group(device_type: str, timeout_s: float = 1800.0) -> ProcessGroupInfo:
@@ -159,7 +112,7 @@ def leave_together(pg: ProcessGroupInfo, device: torch.device) -> None:
     """Every rank of `pg` leaves its current work at once: a barrier (an all-reduce: NCCL on
     the GPU), then the collectives settle ([Note: collective tensors at exit]). Called by
     `Engine.close` and at exit."""
-    all_reduce_host(torch.zeros(1), "sum", pg, device)
+    all_reduce_host(torch.zeros(1), "max", pg, device)  # "max": over every rank
     settle_collectives()
 
 
@@ -459,12 +412,17 @@ def collective_device(pg: ProcessGroupInfo, compute_device: torch.device) -> tor
 
 
 def all_reduce_host(t: torch.Tensor, op: str, pg: ProcessGroupInfo, compute_device: torch.device) -> torch.Tensor:
-    """All-reduce a small host tensor over the group ('sum' or 'max'), through the device
-    the backend needs (NCCL: the GPU); the result on the host. World size 1: `t` itself."""
-    if pg.world_size == 1:
+    """All-reduce a small host tensor ('sum' over the group, 'max' over every rank: `pg.world`),
+    through the device the backend needs (NCCL: the GPU); the result on the host. World size
+    1: `t` itself."""
+    # A "max" is agreement (a flag any rank raises), so it spans every rank; a "sum" adds the
+    # parts of one sharded value, which live within the group the units shard over (HSDP's
+    # replicas hold the same parts: summing over them too would count each once per group).
+    group = pg.world if op == "max" else pg
+    if group.world_size == 1:
         return t
-    x = t.to(collective_device(pg, compute_device))
-    (all_reduce_max_ if op == "max" else all_reduce_sum_)(x, pg)
+    x = t.to(collective_device(group, compute_device))
+    (all_reduce_max_ if op == "max" else all_reduce_sum_)(x, group)
     return x.cpu()
 
 

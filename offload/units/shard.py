@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.devices import same_device, side_stream
+from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.storage.nvme import wait_quietly
 from offload.storage.tiers import Handle, Tier, wait
@@ -38,6 +38,8 @@ from offload.units.layout import (
     update_runs,
 )
 from offload.units.full_buffers import CAN_POINT, FullBuffers
+from offload.units.grad_reduce import GradReduce
+from offload.units.hybrid import all_gather_unit, reduce_scatter_unit, secondary_for
 from offload.units.parameter import UnitParameter
 
 __all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_ELEMS",
@@ -98,6 +100,8 @@ class FlatUnit:
         the rest, the frozen suffix, lives in the tier only ([Note: frozen parameters cost
         their shard only])."""
         self.state = UnitState.SHARDED
+        self.secondary = secondary_for(pg, layout.padded_numel)
+        """hpZ's node-local copy ([Note: hpZ's secondary copy] in offload/units/hybrid.py)."""
         self._gather_work: Optional[dist.Work] = None
         self.holds = 0
         """Holds taken outside training (`engine.gathered`, a submodule called alone, a state
@@ -215,7 +219,7 @@ class FlatUnit:
             return
         self.alloc_full()
         if same_device(self._coll_device, self.device):
-            _dist.all_gather_into(self.full, self._own_shard(local, filled), self.pg)
+            all_gather_unit(self.full, self._own_shard(local, filled), self.pg, self.secondary)
         else:
             # gloo with a GPU compute device: gather in host memory, then one copy up.
             n, r = self.layout.shard_numel, self.pg.rank
@@ -227,7 +231,7 @@ class FlatUnit:
                 slot.copy_(local)
             else:
                 wait(self.tier.fetch(self.key, slot))
-            _dist.all_gather_into(full_host, slot, self.pg)
+            all_gather_unit(full_host, slot, self.pg, self.secondary)
             self.full.copy_(full_host)
         self.state = UnitState.GATHERED
 
@@ -265,7 +269,7 @@ class FlatUnit:
         src = self._own_shard(local, filled)
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)  # the collective reads its input later: not the live shard
-        self._gather_work = _dist.all_gather_into(self.full, slot, self.pg, async_op=True)
+        self._gather_work = all_gather_unit(self.full, slot, self.pg, self.secondary, async_op=True)
         self.state = UnitState.GATHERING
         return True
 
@@ -297,6 +301,10 @@ class FlatUnit:
     def invalidate(self) -> None:
         """The shard changed (or is about to): a gathered copy is stale. A resident unit
         keeps its memory and gathers into it at its next use; any other is freed."""
+        if self.secondary is not None:  # hpZ's copy is stale too, held unit or not
+            if self.state is UnitState.GATHERING:
+                self._finish_gather()  # it would keep a copy of the old values
+            self.secondary.drop()
         if self.aliased or self.holds:
             return
         if not self.resident:
@@ -517,70 +525,14 @@ class FlatUnit:
             lo, hi = self.layout.shard_range(self.pg.rank)
             work = _dist.all_reduce_mean_(flat, self.pg, async_op=True)
             return GradReduce(have, work, flat, (flat[lo:hi], grad_shard, accumulate))
-        work = _dist.reduce_scatter_mean(out, flat, self.pg, async_op=self.pg.world_size > 1)
-        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate))
+        work = reduce_scatter_unit(out, flat, self.pg, async_op=self.pg.world_size > 1)
+        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate), (out, self.pg))
 
     def full_bytes(self) -> int:
         """Bytes the full buffer holds right now (0 when freed or aliased)."""
         if self.aliased:
             return 0
         return self.full.untyped_storage().nbytes()
-
-
-class GradReduce:
-    """A unit's gradient reduce-scatter in flight (see `FlatUnit.start_reduce_scatter`).
-    `have[i]`: slot i had a local gradient. `wait()` is idempotent."""
-
-    __slots__ = ("have", "_work", "_flat", "_finish")
-
-    def __init__(
-        self,
-        have: list[bool],
-        work: Optional[dist.Work] = None,
-        flat: Optional[torch.Tensor] = None,
-        finish: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None,
-    ) -> None:
-        self.have = have
-        self._work = work
-        self._flat = flat  # the collective's input: alive until it completes
-        self._finish = finish
-        """(the reduced gradient, the gradient shard it goes to, whether to add to it)."""
-
-    def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
-        """Complete the reduction into the gradient shard. Returns None when the shard holds
-        it now; with `host_async`, a GPU result bound for a pinned host shard is copied on a
-        side stream instead, and the returned CUDA event marks when the shard holds it (the
-        optimizer worker waits for it; nothing else reads the shard before)."""
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
-        self._flat = None
-        if self._finish is not None:
-            (out, grad_shard, accumulate), self._finish = self._finish, None
-            out = out[: grad_shard.numel()]
-            if (host_async and not accumulate and out.is_cuda and grad_shard.device.type == "cpu"
-                    and grad_shard.is_pinned()):
-                return _copy_down(out, grad_shard)
-            if accumulate:
-                grad_shard.add_(out.to(grad_shard.device))
-            else:
-                grad_shard.copy_(out)
-        return None
-
-
-def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
-    """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
-    compute stream's work so far; returns the event recorded after the copy. `src` is kept
-    from reuse until the copy has read it (`record_stream`)."""
-    device = src.device
-    stream = side_stream(device, "d2h")
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    src.record_stream(stream)
-    return event
 
 
 def _free_storage(t: torch.Tensor) -> None:

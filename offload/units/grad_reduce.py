@@ -1,0 +1,80 @@
+"""A unit's gradient reduction in flight (`GradReduce`), from `FlatUnit.start_reduce_scatter`
+(offload/units/shard.py) to the rank's gradient shard: the collective's wait, HSDP's average
+across replicas (offload/units/hybrid.py), the copy or add into the shard, and on a GPU the
+copy down on a side stream (`_copy_down`). Split from shard.py, which holds the unit."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from offload.devices import side_stream
+from offload.units.groups import ProcessGroupInfo
+from offload.units.hybrid import average_across_replicas
+
+__all__ = ["GradReduce"]
+
+
+class GradReduce:
+    """A unit's gradient reduce-scatter in flight (see `FlatUnit.start_reduce_scatter`).
+    `have[i]`: slot i had a local gradient. `wait()` is idempotent."""
+
+    __slots__ = ("have", "_work", "_flat", "_finish", "_across")
+
+    def __init__(
+        self,
+        have: list[bool],
+        work: Optional[dist.Work] = None,
+        flat: Optional[torch.Tensor] = None,
+        finish: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None,
+        across: Optional[tuple[torch.Tensor, ProcessGroupInfo]] = None,
+    ) -> None:
+        self.have = have
+        self._work = work
+        self._flat = flat  # the collective's input: alive until it completes
+        self._finish = finish
+        """(the reduced gradient, the gradient shard it goes to, whether to add to it)."""
+        self._across = across
+        """HSDP: (the reduced shard, the group whose replicas it is averaged across) once the
+        collective completed, before it goes to the gradient shard; None otherwise."""
+
+    def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
+        """Complete the reduction into the gradient shard. Returns None when the shard holds
+        it now; with `host_async`, a GPU result bound for a pinned host shard is copied on a
+        side stream instead, and the returned CUDA event marks when the shard holds it (the
+        optimizer worker waits for it; nothing else reads the shard before)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        if self._across is not None:
+            (reduced, pg), self._across = self._across, None
+            average_across_replicas(reduced, pg)  # before the copy out: every step reads the mean
+        self._flat = None
+        if self._finish is not None:
+            (out, grad_shard, accumulate), self._finish = self._finish, None
+            out = out[: grad_shard.numel()]
+            if (host_async and not accumulate and out.is_cuda and grad_shard.device.type == "cpu"
+                    and grad_shard.is_pinned()):
+                return _copy_down(out, grad_shard)
+            if accumulate:
+                grad_shard.add_(out.to(grad_shard.device))
+            else:
+                grad_shard.copy_(out)
+        return None
+
+
+def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+    """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
+    compute stream's work so far; returns the event recorded after the copy. `src` is kept
+    from reuse until the copy has read it (`record_stream`)."""
+    device = src.device
+    stream = side_stream(device, "d2h")
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    src.record_stream(stream)
+    return event

@@ -1,0 +1,89 @@
+"""The groups of hybrid sharding, made once at `initialize` on torch's `DeviceMesh`.
+
+`setup_groups` starts (or finds) the world's process group as `setup_process_group` does,
+checks `config.sharding` against the world size (the one place that knows it), and returns
+the `ProcessGroupInfo` the engine's units shard over, its `hybrid` carrying the others:
+
+- FULL (no sharding section, or sizes equal to the world): the world itself; no subgroup.
+- HSDP (`shard_group_size` S < world size W): a 2-D mesh (W / S, S) named
+  ("replicate", "shard"), FSDP2's HSDP mesh. The units shard over the "shard" dimension (S
+  consecutive ranks), and the returned group *is* that shard group: the layout, optimizer
+  state and every sharded sum see S ranks, exactly as ZeRO-3 at world size S does. Gradients
+  are then averaged over the "replicate" dimension (offload/units/grad_reduce.py); agreement
+  (flags, "max") still spans the world (`ProcessGroupInfo.world`).
+- HPZ (`hpz_partition_size` L < W): the units shard over the world; a mesh (W / L, L) gives
+  the node groups (its second dimension) that hpZ's secondary copy is sharded within
+  (offload/units/hybrid.py).
+
+Every rank must call `setup_groups` with the same config (the mesh makes its subgroups
+collectively, in the same order on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from offload.config.sections import Config
+from offload.config.sharding import ShardingConfig
+from offload.units.collectives import setup_process_group
+from offload.units.groups import HybridGroups, ProcessGroupInfo, ShardingMode, hsdp_groups, node_groups
+
+__all__ = ["setup_groups", "sharding_mode"]
+
+
+def sharding_mode(sharding: ShardingConfig, world_size: int, ranks_per_node: int) -> ShardingMode:
+    """The mode `sharding` asks for at `world_size` (pure: checked here, once). A size equal
+    to the world size is plain ZeRO (FULL). Raises ValueError naming the key, the value, the
+    rule and the fix when a size does not divide the world."""
+    for key, size, off in (("shard_group_size", sharding.shard_group_size, 0),
+                           ("hpz_partition_size", sharding.hpz_partition_size, 1)):
+        if size != off and world_size % size:
+            raise ValueError(
+                f"sharding.{key} = {size}, but the world size {world_size} is not a multiple of it "
+                f"(every group must have {size} ranks); use a divisor of {world_size}, such as the "
+                f"ranks per node ({ranks_per_node})")
+    if 1 < sharding.shard_group_size < world_size:
+        return ShardingMode.HSDP
+    if 1 < sharding.hpz_partition_size < world_size:
+        return ShardingMode.HPZ
+    return ShardingMode.FULL
+
+
+def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
+    """The group the engine's units shard over, with its `hybrid` groups (see the module
+    docstring); at world size 1, `setup_process_group`'s as it is."""
+    world = setup_process_group(device_type, float(config.collective_timeout_s))
+    per_node = world.local_world_size
+    mode = sharding_mode(config.sharding, world.world_size, per_node)  # checked at every world size
+    if world.world_size == 1:
+        return world
+    me = dist.get_rank()
+    everyone = tuple(range(world.world_size))
+    if mode is ShardingMode.FULL:
+        return dataclasses.replace(world, hybrid=HybridGroups(
+            mode=mode, world=world, world_rank=me, shard_ranks=everyone, ranks_per_node=per_node))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def sub(group: dist.ProcessGroup) -> ProcessGroupInfo:
+        return dataclasses.replace(world, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+                                   group=group)
+
+    if mode is ShardingMode.HSDP:
+        s = config.sharding.shard_group_size
+        mesh = init_device_mesh(device_type, (world.world_size // s, s), mesh_dim_names=("replicate", "shard"))
+        shard_groups, replicate_groups = hsdp_groups(world.world_size, s)
+        shard = sub(mesh.get_group("shard"))
+        hybrid = HybridGroups(
+            mode=mode, world=world, world_rank=me, shard_ranks=shard_groups[me // s],
+            ranks_per_node=per_node, replicate=sub(mesh.get_group("replicate")),
+            replicate_ranks=replicate_groups[me % s], mesh=mesh)
+        return dataclasses.replace(shard, hybrid=hybrid)
+    size = config.sharding.hpz_partition_size
+    mesh = init_device_mesh(device_type, (world.world_size // size, size), mesh_dim_names=("across", "within"))
+    hybrid = HybridGroups(
+        mode=mode, world=world, world_rank=me, shard_ranks=everyone, ranks_per_node=per_node,
+        node=sub(mesh.get_group("within")), node_ranks=node_groups(world.world_size, size)[me // size],
+        mesh=mesh)
+    return dataclasses.replace(world, hybrid=hybrid)
