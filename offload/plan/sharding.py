@@ -16,7 +16,6 @@ fits and sends the fewest bytes across nodes (HSDP, then hpZ, then full sharding
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ from offload.config import load_config
 from offload.dtypes import DTYPES
 from offload.plan.machine import Machine, format_size
 from offload.plan.planner import Plan, plan
+from offload.plan.table import choice_text
 
 __all__ = ["ShardingChoice", "ModePlan", "collective_bytes", "compare_sharding", "MODES"]
 
@@ -105,17 +105,10 @@ class ShardingChoice:
             rows.append([mp.mode, "none fits" if e is None else f"params {e.param_tier}, optimizer {e.optimizer_tier}",
                          "" if e is None else format_size(e.per_node.host_total),
                          format_size(mp.within_node_bytes_per_step), format_size(mp.across_nodes_bytes_per_step)])
-        widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-        lines = [f"sharding modes for {full.plan.params:,} parameters on {m.nodes} nodes of "
-                 f"{m.local_ranks} ranks ({m.describe()}); bytes one rank sends per step", ""]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
-        lines.append("")
-        if self.recommended is None:
-            lines.append(f"no mode fits: {self.reason}")
-        else:
-            lines.append(f"recommended: {self.recommended.mode} -- {self.reason}")
-            lines.append(f"config: {json.dumps(self.config_snippet())}")
-        return "\n".join(lines)
+        title = (f"sharding modes for {full.plan.params:,} parameters on {m.nodes} nodes of "
+                 f"{m.local_ranks} ranks ({m.describe()}); bytes one rank sends per step")
+        return choice_text(title, head, rows, None if self.recommended is None else self.recommended.mode,
+                           "mode", self.reason, self.config_snippet())
 
 
 def compare_sharding(model_or_params: Any, *, machine: Machine, config: Any = None, **kw: Any) -> ShardingChoice:

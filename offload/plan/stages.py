@@ -23,13 +23,13 @@ not one of them). The recommendation:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
 from offload.config import load_config
 from offload.plan.machine import Machine, format_size
 from offload.plan.planner import PLACEMENTS, Plan, plan
+from offload.plan.table import choice_text
 from offload.storage.tier_kind import TierKind
 
 __all__ = ["StageChoice", "compare_stages", "STAGES"]
@@ -75,16 +75,9 @@ class StageChoice:
             rows.append([str(stage), f"params {e.param_tier}, optimizer {e.optimizer_tier}",
                          format_size(_device(e)), format_size(host),
                          format_size(e.per_node.nvme), format_size(e.disk_bytes_per_step)])
-        widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-        lines = [f"ZeRO stages for {any_plan.params:,} parameters on {m.describe()}", ""]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
-        lines.append("")
-        if self.recommended is None:
-            lines.append(f"no stage fits: {self.reason}")
-        else:
-            lines.append(f"recommended: stage {self.recommended} -- {self.reason}")
-            lines.append(f"config: {json.dumps(self.config_snippet())}")
-        return "\n".join(lines)
+        return choice_text(f"ZeRO stages for {any_plan.params:,} parameters on {m.describe()}", head, rows,
+                           None if self.recommended is None else f"stage {self.recommended}", "stage",
+                           self.reason, self.config_snippet())
 
 
 def compare_stages(model_or_params: Any, *, machine: Optional[Machine] = None, config: Any = None,
