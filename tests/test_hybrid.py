@@ -58,6 +58,7 @@ def _train(cfg, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], di
     info: dict[str, Any] = {"mode": None if hybrid is None else hybrid.mode,
                             "shard_numel": [u.layout.shard_numel for u in engine.units],
                             "report": engine.reporter.last}
+    info["line"] = engine.reporter._line(engine.reporter.last)  # the step report's text
     if hybrid is not None and hybrid.mode is ShardingMode.HSDP:
         with pytest.raises(NotImplementedError) as refused:  # not built yet: said so
             engine.save_checkpoint(os.path.join(os.path.dirname(__file__), "never-written"))
@@ -161,6 +162,13 @@ def test_step_report_bytes_within_and_across_nodes_match_the_arithmetic(name, fo
         assert (report["collective_within_node_bytes"], report["collective_across_nodes_bytes"]) == (within, across)
 
 
+def test_the_step_report_names_the_world_rank_and_the_bytes(four_ranks):
+    # HSDP: ranks 2 and 3 are ranks 0 and 1 of their shard group; the report names the world's
+    line = four_ranks[3]["hsdp"][1]["line"]
+    assert line.startswith("step 4 [rank 3]"), line
+    assert "HSDP collectives 416.00 KiB/step within node, 144.00 KiB across" in line, line
+
+
 def test_hsdp_and_hpz_send_fewer_bytes_across_nodes_than_full_sharding(four_ranks):
     across = {name: four_ranks[0][name][1]["report"]["collective_across_nodes_bytes"] for name in MODES}
     assert across["hsdp"] < across["hpz"] < across["full"], across
@@ -171,9 +179,11 @@ def test_hsdp_and_hpz_send_fewer_bytes_across_nodes_than_full_sharding(four_rank
 
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     # One node of 2 (LOCAL_WORLD_SIZE unset): a group of the world size is plain ZeRO-3.
-    return {name: _train(_config(sharding), rank, world_size)
-            for name, sharding in (("hsdp 2", ShardingConfig(shard_group_size=2)),
-                                   ("hpz 2", ShardingConfig(hpz_partition_size=2)))}
+    out = {name: _train(_config(sharding), rank, world_size)
+           for name, sharding in (("hsdp 2", ShardingConfig(shard_group_size=2)),
+                                  ("hpz 2", ShardingConfig(hpz_partition_size=2)))}
+    out["stage 1"] = _train(_config(ShardingConfig(), zero_stage=1), rank, world_size)
+    return out
 
 
 def test_sizes_equal_to_world_size_2_are_plain_zero3():
@@ -183,6 +193,13 @@ def test_sizes_equal_to_world_size_2_are_plain_zero3():
         assert info["mode"] is ShardingMode.FULL
         assert info["report"]["collective_across_nodes_bytes"] == 0  # one node
         fp32_bound("gpt", GAS, CLIP, STEPS).check(sd, f"{name} at world size 2")
+    # Stage 1 counts its all-reduces: per micro-batch each unit's whole gradient (2 x its shard
+    # over 2 ranks), 2 N / 2 = N elements to the peer; each resident unit gathered once per
+    # step (after its update).
+    _, info = results[0]["stage 1"]
+    shards = info["shard_numel"]
+    per_step = (sum(shards) + GAS * sum(2 * n for n in shards)) * 4
+    assert info["report"]["collective_within_node_bytes"] == per_step
 
 
 def test_world_size_1_runs_without_groups_and_checks_the_sizes():

@@ -122,9 +122,10 @@ class StepReporter:
         self.state = state
         self.cfg = state.config.logging
         self.monitor_cfg = state.config.monitors
-        self.speaks = state.rank == 0 or self.cfg.all_ranks
+        world = state.pg.world  # HSDP: `state.rank` is the shard group's; rank 0 is the world's
+        self.speaks = world.rank == 0 or self.cfg.all_ranks
         self.monitors: list[Monitor] = []
-        if state.rank == 0 and self.monitor_cfg.any_enabled:
+        if world.rank == 0 and self.monitor_cfg.any_enabled:
             self.monitors = open_monitors(self.monitor_cfg)
         if self.cfg.print_unconfigured and self.speaks and not logger_configured():
             enable_logging()  # a DeepSpeed config's steps_per_print: printed as DeepSpeed does
@@ -200,7 +201,7 @@ class StepReporter:
             "initialized%s: %d units, %s parameters, world size %d, compute %s on %s | "
             "parameters on %s, optimizer state (fp32 master, %s moments) on %s | memory %s | "
             "prefetch %s ahead, keep %s | optimizer %s | %s%s",
-            _rank_tag(s), len(s.units), format_count(params), s.world_size,
+            _rank_tag(s), len(s.units), format_count(params), s.pg.world.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
             c.offload.optimizer_tier, _memory_text(memory_bytes(s)),
             format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
@@ -230,7 +231,7 @@ class StepReporter:
             "skipped_steps": s.counters.skipped_steps, "loss": loss,
             "lr": lrs[0] if lrs else None, "lrs": lrs, "grad_norm": s.counters.last_grad_norm,
             "loss_scale": float(s.scaler.scale), "step_time_s": step_s,
-            "tokens_per_s": (tokens * s.world_size / step_s) if tokens and step_s else None,
+            "tokens_per_s": (tokens * s.pg.world.world_size / step_s) if tokens and step_s else None,
             "stall_fraction": means.get("stall_fraction", 0.0),
             "memory": memory,
         }
@@ -300,7 +301,7 @@ def _scalars(r: dict[str, Any], breakdown: bool) -> dict[str, Optional[float]]:
 
 
 def _rank_tag(state: ShardedState) -> str:
-    return f" [rank {state.rank}]" if state.config.logging.all_ranks else ""
+    return f" [rank {state.pg.world.rank}]" if state.config.logging.all_ranks else ""
 
 
 def _memory_text(memory: dict[str, int]) -> str:

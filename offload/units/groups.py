@@ -104,8 +104,9 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 def peers_by_node(me: int, ranks: tuple[int, ...], ranks_per_node: int) -> tuple[int, int]:
     """(the other members of `ranks` on `me`'s node, those on other nodes)."""
     mine = node_of(me, ranks_per_node)
-    same = sum(1 for r in ranks if r != me and node_of(r, ranks_per_node) == mine)
-    return same, len(ranks) - 1 - same if me in ranks else len(ranks) - same
+    others = [r for r in ranks if r != me]
+    same = sum(1 for r in others if node_of(r, ranks_per_node) == mine)
+    return same, len(others) - same
 
 
 def hsdp_groups(world_size: int, shard_group_size: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import offload.units.collectives as _dist
 from offload.units.groups import HybridGroups, ProcessGroupInfo
 
-__all__ = ["SecondaryShard", "SecondaryState", "all_gather_unit", "reduce_scatter_unit",
+__all__ = ["SecondaryShard", "SecondaryState", "all_gather_unit", "reduce_scatter_unit", "all_reduce_unit",
            "average_across_replicas", "secondary_for"]
 
 
@@ -128,12 +128,24 @@ def reduce_scatter_unit(out: torch.Tensor, flat: torch.Tensor, pg: ProcessGroupI
     return _dist.reduce_scatter_mean(out, flat, pg, async_op=async_op)
 
 
+def all_reduce_unit(flat: torch.Tensor, pg: ProcessGroupInfo, async_op: bool) -> Optional[dist.Work]:
+    """`collectives.all_reduce_mean_` for a unit's gradients (ZeRO stage 1), counted."""
+    if pg.hybrid is not None:
+        pg.hybrid.count(pg.hybrid.shard_ranks, _all_reduce_bytes(flat, pg.world_size))
+    return _dist.all_reduce_mean_(flat, pg, async_op=async_op)
+
+
+def _all_reduce_bytes(t: torch.Tensor, ranks: int) -> int:
+    """What an all-reduce of `t` over `ranks` ranks sends to each peer: a reduce-scatter and an
+    all-gather of t / ranks ([Note: bytes a collective sends])."""
+    return 2 * t.numel() * t.element_size() // ranks
+
+
 def average_across_replicas(t: torch.Tensor, pg: ProcessGroupInfo) -> None:
     """HSDP: `t` (this rank's reduced gradient shard) = its mean over the replicate group,
     the ranks holding the same shard in the other groups; nothing without HSDP."""
     h = pg.hybrid
     if h is None or h.replicate is None:
         return
-    g = h.replicate.world_size
-    h.count(h.replicate_ranks, 2 * t.numel() * t.element_size() // g)
+    h.count(h.replicate_ranks, _all_reduce_bytes(t, h.replicate.world_size))
     _dist.all_reduce_mean_(t, h.replicate)

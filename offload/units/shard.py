@@ -39,7 +39,7 @@ from offload.units.layout import (
 )
 from offload.units.full_buffers import CAN_POINT, FullBuffers
 from offload.units.grad_reduce import GradReduce
-from offload.units.hybrid import all_gather_unit, reduce_scatter_unit, secondary_for
+from offload.units.hybrid import all_gather_unit, all_reduce_unit, reduce_scatter_unit, secondary_for
 from offload.units.parameter import UnitParameter
 
 __all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_ELEMS",
@@ -523,7 +523,7 @@ class FlatUnit:
         if self.all_reduce_grads and self.pg.world_size > 1:
             # Stage 1: every rank gets the whole average; this rank keeps its partition.
             lo, hi = self.layout.shard_range(self.pg.rank)
-            work = _dist.all_reduce_mean_(flat, self.pg, async_op=True)
+            work = all_reduce_unit(flat, self.pg, async_op=True)
             return GradReduce(have, work, flat, (flat[lo:hi], grad_shard, accumulate))
         work = reduce_scatter_unit(out, flat, self.pg, async_op=self.pg.world_size > 1)
         return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate), (out, self.pg))
