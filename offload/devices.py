@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["canonical", "same_device", "side_stream"]
+__all__ = ["canonical", "same_device", "side_stream", "compute_stream_event"]
 
 DeviceLike = Union[torch.device, str]
 
@@ -54,3 +54,15 @@ def side_stream(device: DeviceLike, purpose: str) -> Any:
     if stream is None:
         stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1])
     return stream
+
+
+def compute_stream_event(device: DeviceLike) -> Any:
+    """A CUDA event recorded now on `device`'s current stream (it completes once the work
+    queued there so far has run), or None for a device without streams (the CPU: work done
+    when the call returns)."""
+    device = canonical(device)
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

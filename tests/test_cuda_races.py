@@ -100,6 +100,37 @@ def test_slowed_side_stream_copies_keep_the_bits(param_tier, optimizer_tier, tmp
 
 
 @pytest.mark.cuda
+def test_an_nvme_shards_copy_up_does_not_wait_for_the_compute_stream(tmp_path, monkeypatch):
+    """F8: an NVMe shard read into a pinned pooled buffer is copied into its unit's slot by
+    work queued on the compute stream, and the buffer goes back to the pool on an event
+    behind that copy: the CPU does not wait for the GPU to drain (it did: a blocking copy per
+    unit). With a long sleep queued on the compute stream before every gather, the stream is
+    still busy when each gather returns, and with a small pool (buffers reused at once: a
+    buffer given back before its copy ran would be overwritten by the next read) the trained
+    bits are unchanged."""
+    from offload.runtime.gather import Gatherer
+
+    cfg = dataclasses.replace(config(tmp_path, "nvme", "cpu", prefetch=PrefetchConfig(), budget=1 << 19),
+                              compute_device="cuda")
+    ref, _ = _train(cfg)
+    busy: list[bool] = []
+    orig = Gatherer._gather
+
+    def held_back_gather(self, unit):
+        copies = not unit.is_gathered and not unit.gathering
+        torch.cuda._sleep(20 * SLEEP_CYCLES)  # ~60 ms of queued compute-stream work
+        orig(self, unit)
+        if copies:
+            busy.append(not torch.cuda.current_stream(unit.device).query())
+
+    monkeypatch.setattr(Gatherer, "_gather", held_back_gather)
+    slow, _ = _train(cfg)
+    assert busy and all(busy), busy  # no gather drained the stream
+    for k, v in ref.items():
+        assert torch.equal(slow[k], v), k
+
+
+@pytest.mark.cuda
 def test_compute_device_auto_aliases_device_tier_units(tmp_path):
     cfg = Config(compute_device="auto", offload=OffloadConfig(param_tier="device"), precision={"dtype": "bf16"})
     engine = offload.initialize(build("gpt"), cfg)

@@ -183,7 +183,7 @@ class Gatherer:
             t1 = now()
         finally:
             if local is not None:
-                entry.drop()  # copied into the unit's slot of `full` before the gather
+                entry.drop_after_reads(unit.device)  # its copy into the unit's slot is queued
         self.timeline.count("collective", t1 - t0)
         if issued:
             self._issued[u] = t0
@@ -207,7 +207,7 @@ class Gatherer:
             t2 = now()
         finally:
             if local is not None:
-                entry.drop()  # the staging buffer goes back once copied into `full`
+                entry.drop_after_reads(unit.device)  # the staging buffer goes back once copied into `full`
         tl.count("collective", t2 - t1)
         tl.add(f"gather {unit.name or '<root>'}", "gather", "compute", t1, t2, unit.index)
 

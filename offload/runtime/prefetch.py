@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from offload.devices import side_stream
+from offload.devices import compute_stream_event, side_stream
 from offload.runtime.timeline import Timeline, now
 from offload.storage.tiers import Tier
 from offload.units.shard import FlatUnit
@@ -234,6 +234,16 @@ class _Entry:
     def drop(self) -> None:
         self.what.release()
 
+    def drop_after_reads(self, device: torch.device) -> None:
+        """The gather has queued its copy of the shard out of the host buffer on `device`'s
+        stream (asynchronous from pinned memory): give the buffer back once that copy has run,
+        without waiting for it here (issue #30, F8: the wait drained the compute stream)."""
+        event = compute_stream_event(device)
+        if event is None:
+            self.what.release()
+        else:
+            self.what.release_after(event)
+
 
 class _CudaCopy:
     """Host shard -> its slot of the unit's full buffer, on a side stream.
@@ -281,6 +291,9 @@ class _CudaCopy:
     def ready_on_compute_stream(self) -> None:
         torch.cuda.current_stream(self.unit.device).wait_event(self.event)
 
+    def release_after(self, event: Any) -> None:
+        self.release()  # no host buffer: nothing a later copy reads
+
     def release(self) -> None:
         """Dropped unused: order the compute stream after the copy, then free the buffer
         (unless a gather has since used it, or is using it: then the bytes are in use)."""
@@ -323,3 +336,6 @@ class _DirectRead:
         used it, or is using it (then the bytes are in use)."""
         if self.unit.is_sharded:
             self.unit.free()
+
+    def release_after(self, event: Any) -> None:
+        self.release()  # no host buffer: nothing a later copy reads

@@ -70,7 +70,7 @@ import torch
 from offload.storage.io import AIOHandle, BufferPool, Completion
 from offload.storage.swap import SwapDirectory
 
-__all__ = ["Pending", "Staging", "Lease", "LeaseState", "NVMeContext", "IOStats", "HeldFiles"]
+__all__ = ["Pending", "Staging", "Lease", "LeaseState", "NVMeContext", "IOStats", "HeldFiles", "EventDone"]
 
 
 class Pending:
@@ -130,6 +130,22 @@ class Pending:
                 self._parts, self._then, self._release, self._on_error = [], None, None, None
         if self._error is not None:
             raise self._error
+
+
+class EventDone:
+    """A CUDA event as a `Completion`: done once the stream work before it has run (a copy to
+    the GPU that reads a pooled buffer: the buffer goes back to the pool only then)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: "torch.cuda.Event") -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 class IOStats:
@@ -303,7 +319,8 @@ class Staging:
         self.pool.release(buf)
 
     def track(self, handle: Pending) -> None:
-        """Hold a write (whose `release` returns a pool buffer) until someone waits for it."""
+        """Hold a write, or a GPU copy reading a buffer (`EventDone`), whose `release` returns
+        a pool buffer, until someone waits for it: a buffer needed now waits for these first."""
         self._inflight.append(handle)
 
     def reap(self) -> None:

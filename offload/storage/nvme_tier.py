@@ -8,12 +8,12 @@ the schedule (`fetch_ahead`, `keep_after_store`, `take_held`, `release_held`).
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from offload.sizes import ALIGNMENT
-from offload.storage.nvme import Lease, NVMeContext, Pending, settle_writes, wait_quietly
+from offload.storage.nvme import EventDone, Lease, NVMeContext, Pending, settle_writes, wait_quietly
 from offload.storage.tiers import Tier, check_prefix
 
 __all__ = ["NVMeTier", "ReadAhead"]
@@ -159,7 +159,8 @@ class NVMeTier(Tier):
         if lease is not None:
             lease.attach(pending)
             self._lent[key] = lease
-        return ReadAhead(pending, self._local(i, buf), lambda: staging.release(buf), lease=lease)
+        return ReadAhead(pending, self._local(i, buf), lambda: staging.release(buf), lease=lease,
+                         track=staging.track)
 
     def take_held(self, key: Hashable) -> Optional["ReadAhead"]:
         held = self._held.pop(key, None)
@@ -260,7 +261,8 @@ class NVMeTier(Tier):
         local.copy_(src.reshape(-1))
         self._lent[key] = lease
         self._held[key] = ReadAhead(
-            Pending([]), local, lambda: staging.release(buf), lease=lease, fresh=True
+            Pending([]), local, lambda: staging.release(buf), lease=lease, fresh=True,
+            track=staging.track,
         )
 
     def _drop_ahead(self, key: Hashable) -> None:
@@ -334,7 +336,7 @@ class ReadAhead:
     then on the pool leaves it alone). `fresh`: a copy kept at a store (`keep_after_store`),
     not a read; it stays valid until the shard's next store."""
 
-    __slots__ = ("pending", "local", "fresh", "_lease", "_release")
+    __slots__ = ("pending", "local", "fresh", "_lease", "_release", "_track")
 
     label = "read"
 
@@ -346,6 +348,7 @@ class ReadAhead:
         *,
         lease: Optional[Lease] = None,
         fresh: bool = False,
+        track: Optional[Callable[[Pending], None]] = None,
     ) -> None:
         self.pending = pending
         self.local = local
@@ -353,6 +356,8 @@ class ReadAhead:
         self._lease = lease
         self._release: Optional[Callable[[], None]] = release
         """Gives the buffer back once it is no longer a lease (never leased, or claimed)."""
+        self._track = track
+        """The pool's `Staging.track`: holds a release until the GPU copy reading it is done."""
 
     def live(self) -> bool:
         """False once the pool (or a new store) took the buffer back: use it no more, fetch
@@ -387,6 +392,18 @@ class ReadAhead:
             wait_quietly([self.pending])  # the buffer is the read's target until it lands
             release, self._release = self._release, None
             release()
+
+    def release_after(self, event: Any) -> None:
+        """Give the buffer back once `event` (a CUDA event recorded after the GPU copy that
+        reads it was queued) has completed, without waiting for it here: the pool holds the
+        release as in flight, and a buffer needed now waits for it first (issue #30, F8).
+        None: give it back now."""
+        if event is None or self._lease is not None or self._release is None or self._track is None:
+            self.release()
+            return
+        wait_quietly([self.pending])  # landed already: the copy read it
+        release, self._release = self._release, None
+        self._track(Pending([EventDone(event)], release=release))
 
 
 def _direct_ok(t: torch.Tensor) -> bool:

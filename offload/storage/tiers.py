@@ -40,7 +40,7 @@ is why callers treat every return value as "something to wait on" (`wait(handle)
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Hashable, Iterable, Iterator, Optional, Protocol, Union
+from typing import Any, TYPE_CHECKING, Hashable, Iterable, Iterator, Optional, Protocol, Union
 
 import torch
 
@@ -86,6 +86,10 @@ class Fetch(Protocol):
 
     def release(self) -> None:
         """Give the buffer back (idempotent)."""
+
+    def release_after(self, event: Any) -> None:
+        """Give the buffer back once `event` (a CUDA event recorded after the GPU work that
+        reads it) has completed, without waiting here; None: now."""
 
 
 class Tier(Protocol):

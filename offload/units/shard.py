@@ -244,7 +244,9 @@ class FlatUnit:
         if filled:
             return slot
         if local is not None:
-            slot.copy_(local)
+            # From pinned memory the copy is queued, not waited for (F8): the caller gives
+            # the buffer back only after an event recorded behind it.
+            slot.copy_(local, non_blocking=local.is_pinned())
             return slot
         own = self.tier.view(self.key)
         if own is not None and same_device(own.device, self.device):
@@ -257,8 +259,9 @@ class FlatUnit:
         size > 1, the collective on the compute device) and return; `gather()` then waits
         for it. Every rank must issue the same gathers in the same order, which the
         schedule guarantees by issuing them at the same trace positions. False when there
-        is nothing to issue (gathered, in flight, or the gloo-with-GPU path). `local` is
-        copied before this returns (the caller may reuse its buffer)."""
+        is nothing to issue (gathered, in flight, or the gloo-with-GPU path). `local`
+        (pinned) is read by stream work queued by this call: the caller keeps it until an
+        event recorded after the call completes (`_own_shard`)."""
         if self.state is not UnitState.SHARDED or self.pg.world_size == 1:
             return False
         if not same_device(self._coll_device, self.device):
