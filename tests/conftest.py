@@ -7,7 +7,7 @@ import socket
 import subprocess
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import pytest
 import torch
@@ -101,6 +101,16 @@ def _start_method() -> str:
         _SERVER_ENV.update(env)
         return "forkserver"
     return "forkserver" if env == _SERVER_ENV else "spawn"
+
+
+def forkserver_matches(env: Mapping[str, str], ignore: Sequence[str] = ()) -> bool:
+    """Whether a process with environment `env` can fork from the preloaded server (its
+    import-time environment is the server's, but for the `ignore`d names); starts it on
+    first use ([Note: ranks forked from a preloaded server])."""
+    _start_method()
+    skip = set(_VOLATILE_ENV) | set(ignore)
+    return ({k: v for k, v in env.items() if k not in skip}
+            == {k: v for k, v in _SERVER_ENV.items() if k not in skip})
 
 
 def _worker(

@@ -22,15 +22,16 @@ import pytest
 import torch
 
 from benchmarks import _report
+from tests.scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def suite(out, *args: str, timeout_s: float = 120, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "benchmarks", "--out", str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # a process of its own, forked from the suite's preloaded server (tests/scripts.py)
+    return run_python(["-m", "benchmarks", "--out", str(out), *args], cwd=ROOT, timeout=timeout_s,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def test_suite_runs_bench_io_end_to_end_and_writes_report_json_and_plot(tmp_path):
@@ -305,8 +306,7 @@ def _bench_train(tmp_path, name, *args, env=None):
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--quick", "--no-fsdp2",
            "--no-deepspeed", "--no-lora", "--repeats", "2", "--peak-mb", "64", "--json", str(out), *args]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    run = run_python(cmd[1:], cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text()), run.stdout
 

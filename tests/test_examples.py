@@ -31,6 +31,7 @@ import pytest
 
 import offload
 from tests.conftest import check_torchrun_exit
+from tests.scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -44,7 +45,10 @@ def run(script: str, *args: str, launcher: tuple[str, ...] = (), timeout_s: floa
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)  # a test run under a launcher must not leak it into the example
     cmd = [sys.executable, *launcher, os.path.join(EXAMPLES, script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    if launcher:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    else:  # a process of its own, forked from the suite's preloaded server (tests/scripts.py)
+        out = run_python(cmd[1:], env=env, cwd=ROOT, timeout=timeout_s)
     if launcher:
         # Complete when the example printed its final summary (every rank finished).
         check_torchrun_exit(out, "done:" in out.stdout, " ".join(cmd))
@@ -123,9 +127,8 @@ def test_train_gpt_larger_than_ram_recipe_reports_state_io_and_peak_rss(tmp_path
     assert result["planned"]["nvme"] == result["memory"]["nvme"]
     assert all(b > 0 for b in result["io_bytes_per_step"]) and result["peak_rss_bytes"] > 0
     assert not (nvme / "offload-swap").exists()  # close() removed the swap files
-    over = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *args,
-                           "--rss-budget", "1MiB"], capture_output=True, text=True, timeout=240,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    over = run_python([os.path.join(EXAMPLES, "train_gpt.py"), *args, "--rss-budget", "1MiB"],
+                      env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=240)
     assert over.returncode == 3 and "exceeded --rss-budget 1.0 MiB" in over.stderr, over.stderr
     # --ram-budget keeps units in RAM instead of on NVMe: the planner's figures follow.
     kept = done(run("train_gpt.py", *args, "--ram-budget", "300KiB"))
@@ -219,8 +222,7 @@ def _run_failing(script: str, *args: str) -> str:
            "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    out = run_python([os.path.join(EXAMPLES, script), *args], env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 2, f"{script} exit {out.returncode}\n{out.stdout}\n{out.stderr}"
     assert "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -423,9 +425,8 @@ def test_an_unused_nvme_path_is_named(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "1",
-                          "--nvme-path", str(tmp_path / "swap")], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=240)
+    out = run_python([os.path.join(EXAMPLES, "train_gpt.py"), *TINY, "--steps", "1",
+                      "--nvme-path", str(tmp_path / "swap")], env=env, cwd=ROOT, timeout=240)
     assert out.returncode == 0, out.stderr
     assert f"note: --nvme-path {tmp_path / 'swap'} is not used: no tier is on NVMe" in out.stderr
     assert not (tmp_path / "swap").exists()
