@@ -23,7 +23,7 @@ import sys
 from tests.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHES = 4
+LAUNCHES = 2
 
 SCRIPT = r"""
 import os, sys, torch, offload
