@@ -132,3 +132,42 @@ def test_user_group_without_backend_selects_local_rank_gpu_and_nccl():
     for rank, res in enumerate(run_distributed(_cuda_group, 2, init_group=False)):
         assert res["current"] == rank and res["nccl"], res
         assert res["coll"] == f"cuda:{rank}" and res["full"] == [0.0, 1.0], res
+
+
+def _bytes_alive(ref) -> int:
+    """Bytes a storage known only by a weak reference still holds (0 once it is gone)."""
+    if ref.expired():
+        return 0
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+
+
+def _reduce_temporaries(rank: int, world_size: int) -> dict:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from offload.units.grad_reduce import GradReduce
+
+    pg = _dist.setup_process_group("cpu")
+    n = 1 << 16
+    flat = torch.full((n * world_size,), float(rank + 1))  # the unit's flat fp32 gradients
+    out = torch.empty(n)  # the reduce-scatter's temporary output
+    grad_shard = torch.zeros(n // 2)  # a shard shorter than the output: copied out on completion
+    work = _dist.reduce_scatter_mean(out, flat, pg, async_op=True)
+    refs = [StorageWeakRef(flat.untyped_storage()), StorageWeakRef(out.untyped_storage())]
+    reduce = GradReduce([True], work, flat, (out, grad_shard, False))
+    del flat, out, work
+    reduce.wait()
+    alive = [_bytes_alive(r) for r in refs]
+    settled = _dist.settle_collectives()
+    return {"alive": alive, "settled": settled, "shard": grad_shard[:4].tolist(),
+            "after_settle": [_bytes_alive(r) for r in refs]}
+
+
+def test_a_finished_reduce_holds_no_bytes():
+    """Issue #30, F6: once a gradient reduce-scatter was waited, its flat input and its
+    temporary output hold no memory, though the views handed to the collective live on
+    until the group's threads let them go (and, before, until the next collective): on a
+    GPU that was a unit's fp32 gradients, twice, outside the plan."""
+    for rank, res in enumerate(run_distributed(_reduce_temporaries, 2)):
+        assert res["shard"] == [1.5] * 4, rank  # the mean of 1 and 2: the reduction is right
+        assert res["alive"] == [0, 0], res
+        assert res["settled"] and res["after_settle"] == [0, 0], res

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from offload.devices import side_stream
 from offload.units.groups import ProcessGroupInfo
 from offload.units.hybrid import average_across_replicas
+from offload.units.storage_bytes import free_storage
 
 __all__ = ["GradReduce"]
 
@@ -51,18 +52,25 @@ class GradReduce:
         if self._across is not None:
             (reduced, pg), self._across = self._across, None
             average_across_replicas(reduced, pg)  # before the copy out: every step reads the mean
-        self._flat = None
+        flat, self._flat = self._flat, None
+        event = None
         if self._finish is not None:
             (out, grad_shard, accumulate), self._finish = self._finish, None
             out = out[: grad_shard.numel()]
             if (host_async and not accumulate and out.is_cuda and grad_shard.device.type == "cpu"
                     and grad_shard.is_pinned()):
-                return _copy_down(out, grad_shard)
-            if accumulate:
+                event = _copy_down(out, grad_shard)
+            elif accumulate:
                 grad_shard.add_(out.to(grad_shard.device))
             else:
                 grad_shard.copy_(out)
-        return None
+            if out.untyped_storage().data_ptr() != grad_shard.untyped_storage().data_ptr():
+                free_storage(out)  # a temporary (a copy down in flight keeps its block: record_stream)
+        if flat is not None:
+            # The collective's views of its input outlive the wait (collectives' [Note:
+            # collective tensors at exit]): free the bytes now, not when the view goes (F6).
+            free_storage(flat)
+        return event
 
 
 def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:

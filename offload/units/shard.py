@@ -41,6 +41,7 @@ from offload.units.full_buffers import CAN_POINT, FullBuffers
 from offload.units.grad_reduce import GradReduce
 from offload.units.hybrid import all_gather_unit, all_reduce_unit, reduce_scatter_unit, secondary_for
 from offload.units.parameter import UnitParameter
+from offload.units.storage_bytes import alloc_storage as _alloc_storage, free_storage as _free_storage
 
 __all__ = ["FlatUnit", "GradReduce", "UnitState", "FROZEN_GROUP", "PARAM_ALIGN_ELEMS",
            "SHARD_ALIGN_ELEMS", "ParamSlot", "Segment", "UnitLayout", "UpdateRun", "intersect",
@@ -536,16 +537,3 @@ class FlatUnit:
         if self.aliased:
             return 0
         return self.full.untyped_storage().nbytes()
-
-
-def _free_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.nbytes() != 0:
-        storage.resize_(0)
-
-
-def _alloc_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    need = t.numel() * t.element_size()
-    if storage.nbytes() != need:
-        storage.resize_(need)
