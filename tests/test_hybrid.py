@@ -59,10 +59,6 @@ def _train(cfg, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], di
                             "shard_numel": [u.layout.shard_numel for u in engine.units],
                             "report": engine.reporter.last}
     info["line"] = engine.reporter._line(engine.reporter.last)  # the step report's text
-    if hybrid is not None and hybrid.mode is ShardingMode.HSDP:
-        with pytest.raises(NotImplementedError) as refused:  # not built yet: said so
-            engine.save_checkpoint(os.path.join(os.path.dirname(__file__), "never-written"))
-        info["save refused"] = str(refused.value)
     sd = engine.full_state_dict()
     engine.close()
     return sd, info
@@ -91,6 +87,7 @@ def _four_ranks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out["hsdp without the average across groups"] = _train(_config(MODES["hsdp"]), rank, world_size)
     finally:
         grad_reduce.average_across_replicas = real  # type: ignore[assignment]
+    out["resume"] = _resume(rank, world_size, os.path.join(tmp, "checkpoints"))
     return out
 
 
@@ -107,11 +104,49 @@ def test_each_mode_matches_plain_adamw_at_4_ranks_as_2_nodes(name, four_ranks):
     assert info["mode"] is expected[name.split()[0]]
 
 
-def test_hsdp_checkpoints_are_refused_not_written_twice(four_ranks):
-    message = four_ranks[2]["hsdp"][1]["save refused"]
-    assert message.startswith("engine.save_checkpoint with HSDP (sharding.shard_group_size = 2 of 4 ranks) "
-                              "is not built yet")
-    assert not os.path.exists(os.path.join(os.path.dirname(__file__), "never-written"))
+def _resume(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
+    """HSDP: 2 steps, save, 2 more (the uninterrupted run); a new HSDP engine loads and runs
+    the last 2 (bit-identical); a full-sharding engine at world size 4 loads the checkpoint
+    of 2-rank shards (re-sharded) and runs them (the plain loop's bound)."""
+    batches = batches_for("gpt", STEPS)
+    n = batches[0][0].shape[0] // world_size
+
+    def run(engine: Any, part: list) -> None:
+        for x, y in part:
+            engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+            engine.step()
+
+    out: dict[str, Any] = {}
+    for name, sharding, load in (("uninterrupted", MODES["hsdp"], False), ("resumed", MODES["hsdp"], True),
+                                 ("resumed as full sharding", MODES["full"], True)):
+        torch.manual_seed(0)
+        engine = offload.initialize(make_model("gpt"), _config(sharding))
+        if load:
+            engine.load_checkpoint(save_dir)
+        else:
+            run(engine, batches[: STEPS // 2])
+            out["files"] = sorted(os.listdir(engine.save_checkpoint(save_dir)))
+        run(engine, batches[STEPS // 2:])
+        if name == "resumed":
+            with pytest.raises(NotImplementedError) as refused:  # not built yet: said so
+                engine.sharded_state_dict()
+            out["dtensor refused"] = str(refused.value)
+        out[name] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+def test_hsdp_checkpoint_written_by_one_group_resumes_exactly_and_reshards(four_ranks):
+    resume = four_ranks[0]["resume"]
+    # shard group 0's 2 ranks wrote it, as ZeRO-3 at world size 2
+    assert resume["files"] == ["manifest.json", "rank00000.shards", "rank00000.state", "rank00001.shards",
+                               "rank00001.state"], resume["files"]
+    for key, value in resume["uninterrupted"].items():
+        assert torch.equal(resume["resumed"][key], value), key
+    assert four_ranks[2]["resume"]["resumed"].keys() == resume["uninterrupted"].keys()  # group 1's rank 0
+    fp32_bound("gpt", GAS, CLIP, STEPS).check(resume["resumed as full sharding"], "hsdp checkpoint, full sharding at 4")
+    assert resume["dtensor refused"].startswith("engine.sharded_state_dict() with HSDP (sharding.shard_group_size "
+                                                "= 2 of 4 ranks) is not built yet")
 
 
 def test_skipping_the_average_across_groups_fails_parity_by_orders_of_magnitude(four_ranks):

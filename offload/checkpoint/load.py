@@ -82,7 +82,6 @@ from offload.checkpoint.shards import (
 from offload.dtypes import name_of
 from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
-from offload.units.groups import refuse_replicated
 from offload.units.shard import FlatUnit
 
 
@@ -114,7 +113,6 @@ def load_checkpoint(
     if copy_to_swap not in (None, True, False):
         raise TypeError(f"copy_to_swap must be None, True or False, got {copy_to_swap!r}")
     refuse_while_gathered(sharded.units, "engine.load_checkpoint")
-    refuse_replicated(sharded.pg, "engine.load_checkpoint")
     path = files.resolve_tag(os.fspath(load_dir), tag)
     saved = manifest.read(path)
     # At the saving world size each rank reads its own files only (which is all a node

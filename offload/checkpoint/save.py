@@ -46,11 +46,11 @@ import torch
 
 from offload.checkpoint import files, manifest
 from offload.checkpoint.load import state_in_host_memory
+from offload.checkpoint.replicas import written_by_one_replica
 from offload.checkpoint.shards import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, ShardWriter, CheckpointStaging
 from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.view import Location, ShardedState
 from offload.units import collectives as _dist
-from offload.units.groups import refuse_replicated
 
 
 def save_checkpoint(
@@ -65,9 +65,14 @@ def save_checkpoint(
 ) -> str:
     """Write a checkpoint of `sharded` (the engine's state) to `save_dir/<tag>` and point
     `save_dir/latest` at it. Every rank must call it. Returns the checkpoint's path. See the
-    module docstring. `staging`: the engine's, kept between checkpoints (None: one for this
-    call)."""
-    refuse_replicated(sharded.pg, "engine.save_checkpoint")
+    module docstring; under HSDP one shard group writes ([Note: HSDP checkpoints]).
+    `staging`: the engine's, kept between checkpoints (None: one for this call)."""
+    return written_by_one_replica(sharded, lambda: _save(sharded, save_dir, tag, client_state,
+                                                         chunk_bytes, window, staging))
+
+
+def _save(sharded: ShardedState, save_dir: str, tag: Optional[str], client_state: Optional[dict[str, Any]],
+          chunk_bytes: int, window: int, staging: Optional[CheckpointStaging]) -> str:
     save_dir = os.fspath(save_dir)
     tag = files.check_tag(tag if tag is not None else f"global_step{sharded.counters.global_steps}")
     if any(st.grad_valid for st in sharded.states):

@@ -174,13 +174,13 @@ class HybridGroups:
 
 
 def refuse_replicated(pg: ProcessGroupInfo, what: str) -> None:
-    """Raise NotImplementedError for `what` under HSDP: checkpoints (offload's files, the
-    DTensor state dicts) are written per shard-group rank, and the replicas of a shard would
-    write, and read, the same names; that is not built yet (docs/multinode.md)."""
+    """Raise NotImplementedError for `what` under HSDP: the DTensor state dicts are laid out
+    over the shard group's 1-D mesh, and HSDP's would need FSDP2's 2-D one (Replicate,
+    Shard(0)) for torch.distributed.checkpoint to see the replicas; not built yet
+    (docs/multinode.md). offload's own checkpoints work under HSDP ([Note: HSDP checkpoints])."""
     h = pg.hybrid
     if h is not None and h.replicate is not None:
         raise NotImplementedError(
             f"{what} with HSDP (sharding.shard_group_size = {pg.world_size} of {h.world.world_size} "
-            "ranks) is not built yet: each shard group would write the same rank files; train "
-            "with sharding.hpz_partition_size (or no sharding section) to checkpoint, or save "
-            "engine.full_state_dict() from rank 0")
+            "ranks) is not built yet: its DTensors would need a 2-D (replicate, shard) mesh; use "
+            "engine.save_checkpoint / load_checkpoint, which work under HSDP")
