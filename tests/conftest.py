@@ -63,6 +63,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
+def pytest_collection_finish(session):
+    """Start the type checker now, beside the tests, when its test will run: it is one
+    process on one core for half a minute in a fresh clone ([Note: mypy beside the suite]
+    in tests/test_types.py)."""
+    if any(item.nodeid.endswith("test_types.py::test_mypy_passes_over_offload") for item in session.items):
+        from tests.test_types import start_in_background
+
+        start_in_background()
+
+
 # -- a multi-process launcher ----------------------------------------------------------------
 
 

@@ -275,11 +275,14 @@ def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path
             "--samples", "64", "--deepspeed_config", str(ds_json)]
     weights = {}
     offload_script = os.path.join(EXAMPLES, "deepspeed_user.py")
+    runs = {}
+    # The four runs are independent processes of one thread each: started together, they
+    # share the machine's cores instead of running in series.
     for name, script, extra_env in (
+        ("deepspeed", str(tmp_path / "real_ds_user.py"), {}),
         ("offload", offload_script, {}),
         ("offload-default-kernels", offload_script, {"ATEN_CPU_CAPABILITY": "default"}),
         ("offload-avx2-kernels", offload_script, {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}),
-        ("deepspeed", str(tmp_path / "real_ds_user.py"), {}),
     ):
         from tests.conftest import free_port
 
@@ -287,10 +290,19 @@ def test_same_script_under_real_deepspeed_trains_to_the_same_parameters(tmp_path
         env = {**os.environ, "PYTHONPATH": EXAMPLES + os.pathsep + root, "RANK": "0",
                "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **extra_env}
-        out = subprocess.run([sys.executable, script, *args, "--save-model", str(tmp_path / name)],
-                             capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
-        assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr[-4000:]}"
-        weights[name] = torch.load(tmp_path / name / "pytorch_model.bin")
+        runs[name] = subprocess.Popen([sys.executable, script, *args, "--save-model", str(tmp_path / name)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=str(tmp_path))
+    try:
+        for name, proc in runs.items():
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{name}:\n{out}\n{err[-4000:]}"
+            weights[name] = torch.load(tmp_path / name / "pytorch_model.bin")
+    finally:
+        for proc in runs.values():  # ours, started above: none outlives a failure
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     from tests.parity import Fp32Bound, plain_loop
 
     # The same training in plain torch (the script's model, data order, accumulation and
