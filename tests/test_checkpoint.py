@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import offload
 from offload.checkpoint import CheckpointCorruptError, consolidate
 from offload.config import Config, OffloadConfig, OptimizerConfig, PrecisionConfig
 from tests.conftest import TinyGPT, run_distributed
+from tests.scripts import run_python
 
 N = 3  # steps before and after the save
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -619,10 +619,9 @@ def test_consolidate_cli_shards_with_an_index(saved, tmp_path):
     from safetensors.torch import load_file
 
     ckdir, path, sd = saved
-    proc = subprocess.run(
-        [sys.executable, "-m", "offload.checkpoint", "consolidate", path, str(tmp_path / "out"),
-         "--max-shard-size", "20KB"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = run_python(
+        ["-m", "offload.checkpoint", "consolidate", path, str(tmp_path / "out"), "--max-shard-size", "20KB"],
+        cwd=ROOT, env=os.environ, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
@@ -636,9 +635,9 @@ def test_consolidate_cli_shards_with_an_index(saved, tmp_path):
     assert set(merged) == set(index["weight_map"]) == set(sd)
     for k in sd:
         assert torch.equal(merged[k], sd[k]), k
-    bad = subprocess.run(
-        [sys.executable, "-m", "offload.checkpoint", "consolidate", str(tmp_path / "nope"), "x"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    bad = run_python(
+        ["-m", "offload.checkpoint", "consolidate", str(tmp_path / "nope"), "x"],
+        cwd=ROOT, env=os.environ, timeout=120,
     )
     assert bad.returncode == 1 and "does not exist" in bad.stderr
 
@@ -684,11 +683,11 @@ def test_consolidate_refuses_a_non_empty_output_unless_overwrite(saved, tmp_path
     assert len(before) > 2
     with pytest.raises(FileExistsError, match=r"exists and is not empty .*--overwrite"):
         consolidate(str(ckdir), str(out))
-    cli = [sys.executable, "-m", "offload.checkpoint", "consolidate", path, str(out)]
-    bad = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cli = ["-m", "offload.checkpoint", "consolidate", path, str(out)]
+    bad = run_python(cli, cwd=ROOT, env=os.environ, timeout=120)
     assert bad.returncode == 1 and "--overwrite" in bad.stderr, bad.stderr
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # untouched
-    ok = subprocess.run(cli + ["--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ok = run_python(cli + ["--overwrite"], cwd=ROOT, env=os.environ, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert os.listdir(out) == ["model.safetensors"]  # the old split's files are gone
     assert ok.stdout.split() == [str(out / "model.safetensors")]

@@ -13,8 +13,7 @@ import dataclasses
 
 import json
 import logging
-import subprocess
-import sys
+import os
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from offload.config import Config, ConfigError, OffloadConfig
 from offload.plan import Machine, make_machine, plan
 from offload.sizes import parse_bytes, parse_count
 from tests.conftest import TinyGPT, gpt_batches, run_distributed
+from tests.scripts import run_python
 
 GiB, TiB = 1 << 30, 1 << 40
 
@@ -405,8 +405,8 @@ def test_cli_json_and_exit_code_when_nothing_fits(capsys):
 
 
 def test_python_dash_m_offload_plan():
-    out = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "125M", "--gpus", "0",
-                          "--cpu-mem", "16GiB"], capture_output=True, text=True, timeout=120)
+    out = run_python(["-m", "offload.plan", "--params", "125M", "--gpus", "0", "--cpu-mem", "16GiB"],
+                     env=os.environ, cwd=os.getcwd(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "recommended: params device, optimizer cpu" in out.stdout
 
@@ -600,14 +600,13 @@ def test_stages_on_the_cpu_recommend_stage_3_and_the_cli_prints_them():
 
     cpu = compare_stages(1e9, machine=make_machine(gpus=0, cpu_mem="64GiB"))
     assert cpu.recommended == 3 and "compute is on the CPU" in cpu.reason
-    out = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "7.5e9", "--gpus", "8",
-                          "--gpu-mem", "80GiB", "--cpu-mem", "1TiB", "--world-size", "64", "--stages"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(["-m", "offload.plan", "--params", "7.5e9", "--gpus", "8", "--gpu-mem", "80GiB",
+                      "--cpu-mem", "1TiB", "--world-size", "64", "--stages"],
+                     env=os.environ, cwd=os.getcwd(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "recommended: stage 2" in out.stdout and '"zero_stage": 2' in out.stdout
-    js = subprocess.run([sys.executable, "-m", "offload.plan", "--params", "1e9", "--gpus", "0",
-                         "--cpu-mem", "64GiB", "--stages", "--json"], capture_output=True, text=True,
-                        timeout=120)
+    js = run_python(["-m", "offload.plan", "--params", "1e9", "--gpus", "0", "--cpu-mem", "64GiB",
+                     "--stages", "--json"], env=os.environ, cwd=os.getcwd(), timeout=120)
     assert json.loads(js.stdout)["recommended_stage"] == 3
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+from tests.scripts import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -41,8 +42,7 @@ def run_block(code: str, cwd, timeout_s: float = 120) -> subprocess.CompletedPro
            "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=cwd, env=env)
+    return run_python([str(script)], timeout=timeout_s, cwd=str(cwd), env=env)  # tests/scripts.py
 
 
 with open(README) as _f:
