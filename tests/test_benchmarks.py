@@ -401,3 +401,24 @@ def test_bench_moments_reports_half_the_nvme_bytes_with_8bit_moments(tmp_path):
                 "--nvme-path", str(tmp_path)])
     for moments, want in (("fp32", 12.0), ("bf16", 8.0), ("8bit", 4 + 2 + 8 / 256)):
         assert want <= out[moments]["read"] == out[moments]["written"] < want * 1.1, (moments, out)
+
+
+def test_the_adam_roofline_is_the_best_loop_and_never_below_a_contender():
+    """Issue #35: the limit is the fastest of the roofline loops (each moving Adam's bytes:
+    checked here element by element) and of every contender moving the same bytes; a
+    contender faster than every loop raises it to its own speed and is named."""
+    from benchmarks.bench_adam import huge_empty, roof_of
+    from offload._native import C
+
+    names = C.roofline_adam_variants()
+    assert names[0] == "plain" and len(names) >= 3
+    n, keep = 100_003, []
+    for variant in range(len(names)):
+        p, g, m, v = (huge_empty(n, torch.float32, keep).copy_(torch.randn(n)) for _ in range(4))
+        want = (p + g, m + g, v + g)
+        C.roofline_adam(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, 2, variant)
+        assert all(torch.equal(a, b) for a, b in zip(want, (p, m, v))), names[variant]
+    times = {"roof: plain": 5.0, "roof: prefetch 512": 4.0, "ours fp32": 4.5, "ours bf16 all": 1.0,
+             "triad": 0.5}
+    assert roof_of(times) == ("prefetch 512", 4.0)  # bf16 rows and the triad move other bytes
+    assert roof_of({**times, "torch fused": 3.0}) == ("torch fused", 3.0)

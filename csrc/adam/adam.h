@@ -81,7 +81,12 @@ void set_adam_num_threads(int threads);  // throws ValueError unless >= 1
 // adam_step and compiled for the same ISA:
 //   roofline_adam: Adam's traffic (read p, g, m, v; write p, m, v), trivial arithmetic;
 //   roofline_triad: STREAM triad a = b + s * c.
-void roofline_adam(float* p, const float* g, float* m, float* v, size_t n, int threads);
+//   variant: which loop ([Note: a limit that is the limit] in adam.cpp), an index into
+//   kRooflineVariantNames.
+extern const char* const kRooflineVariantNames[];
+int roofline_adam_variant_count();
+void roofline_adam(float* p, const float* g, float* m, float* v, size_t n, int threads,
+                   int variant = 0);
 void roofline_triad(float* a, const float* b, const float* c, float s, size_t n, int threads);
 
 }  // namespace offload

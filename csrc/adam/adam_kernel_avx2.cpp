@@ -112,7 +112,7 @@ OFFLOAD_ADAM_SELECTOR(select_avx2, avx2_kernel)
 KernelSet avx2_kernels() {
   KernelSet k;
   k.select = &select_avx2;
-  k.roofline_adam = &roofline_impl::adam_traffic;
+  OFFLOAD_ROOFLINE_VARIANTS(k);
   k.roofline_triad = &roofline_impl::triad;
   return k;
 }

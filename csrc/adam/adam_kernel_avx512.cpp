@@ -109,7 +109,7 @@ OFFLOAD_ADAM_SELECTOR(select_avx512, avx512_kernel)
 KernelSet avx512_kernels() {
   KernelSet k;
   k.select = &select_avx512;
-  k.roofline_adam = &roofline_impl::adam_traffic;
+  OFFLOAD_ROOFLINE_VARIANTS(k);
   k.roofline_triad = &roofline_impl::triad;
   return k;
 }

@@ -32,7 +32,7 @@ OFFLOAD_ADAM_SELECTOR(select_portable, portable_kernel)
 KernelSet portable_kernels() {
   KernelSet k;
   k.select = &select_portable;
-  k.roofline_adam = &roofline_impl::adam_traffic;
+  OFFLOAD_ROOFLINE_VARIANTS(k);
   k.roofline_triad = &roofline_impl::triad;
   return k;
 }

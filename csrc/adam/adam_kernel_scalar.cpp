@@ -21,7 +21,7 @@ OFFLOAD_ADAM_SELECTOR(select_scalar, scalar_kernel)
 KernelSet scalar_kernels() {
   KernelSet k;
   k.select = &select_scalar;
-  k.roofline_adam = &roofline_impl::adam_traffic;
+  OFFLOAD_ROOFLINE_VARIANTS(k);
   k.roofline_triad = &roofline_impl::triad;
   return k;
 }

@@ -88,13 +88,24 @@ void register_adam(py::module_& m) {
 
   m.def(
       "roofline_adam",
-      [](uintptr_t p, uintptr_t g, uintptr_t mo, uintptr_t v, size_t n, int threads) {
+      [](uintptr_t p, uintptr_t g, uintptr_t mo, uintptr_t v, size_t n, int threads,
+         int variant) {
         roofline_adam(ptr<float>(p), ptr<const float>(g), ptr<float>(mo), ptr<float>(v), n,
-                      threads);
+                      threads, variant);
       },
       py::arg("p"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("n"),
-      py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
-      "Benchmark reference: p += g; m += g; v += g over n fp32 elements (Adam's traffic).");
+      py::arg("threads") = 0, py::arg("variant") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Benchmark reference: p += g; m += g; v += g over n fp32 elements (Adam's traffic), "
+      "by loop `variant` (roofline_adam_variants()).");
+  m.def(
+      "roofline_adam_variants",
+      [] {
+        std::vector<std::string> names;
+        for (int i = 0; i < roofline_adam_variant_count(); ++i) names.push_back(kRooflineVariantNames[i]);
+        return names;
+      },
+      "The roofline loops' names, by variant index: the plain loop, then software prefetch "
+      "at four distances (elements ahead).");
   m.def(
       "roofline_triad",
       [](uintptr_t a, uintptr_t b, uintptr_t c, float s, size_t n, int threads) {

@@ -19,11 +19,26 @@ using RooflineAdamKernel = void (*)(float* p, const float* g, float* m, float* v
 using RooflineTriadKernel = void (*)(float* a, const float* b, const float* c, float s,
                                      size_t begin, size_t end);
 
+// The roofline's variants ([Note: a limit that is the limit] in adam.cpp), in the order
+// of kRooflineVariantNames (adam.h): the plain loop, then software prefetch 256, 512,
+// 1024 and 2048 elements ahead.
+constexpr int kRooflineVariants = 5;
+
 struct KernelSet {
   AdamKernel (*select)(DType grad, DType moments, DType out, bool l2) = nullptr;
-  RooflineAdamKernel roofline_adam = nullptr;
+  RooflineAdamKernel roofline_adam[kRooflineVariants] = {};
   RooflineTriadKernel roofline_triad = nullptr;
 };
+
+// The variants' table for a kernel file: its own compilation of roofline_impl's loops.
+#define OFFLOAD_ROOFLINE_VARIANTS(k)                                  \
+  do {                                                                \
+    (k).roofline_adam[0] = &roofline_impl::adam_traffic;             \
+    (k).roofline_adam[1] = &roofline_impl::adam_traffic_ahead<256>;  \
+    (k).roofline_adam[2] = &roofline_impl::adam_traffic_ahead<512>;  \
+    (k).roofline_adam[3] = &roofline_impl::adam_traffic_ahead<1024>; \
+    (k).roofline_adam[4] = &roofline_impl::adam_traffic_ahead<2048>; \
+  } while (0)
 
 KernelSet scalar_kernels();
 KernelSet portable_kernels();
