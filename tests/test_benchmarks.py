@@ -422,3 +422,17 @@ def test_the_adam_roofline_is_the_best_loop_and_never_below_a_contender():
              "triad": 0.5}
     assert roof_of(times) == ("prefetch 512", 4.0)  # bf16 rows and the triad move other bytes
     assert roof_of({**times, "torch fused": 3.0}) == ("torch fused", 3.0)
+
+
+def test_adam_node_rate_gives_each_rank_its_share_of_the_cores():
+    """Issue #35's node view (benchmarks/bench_adam_node.py): two ranks on this node each run
+    their shard with the engine's default budget, the cores divided by LOCAL_WORLD_SIZE."""
+    from benchmarks.bench_adam_node import node_rate
+    from tests.conftest import forkserver_matches
+
+    assert forkserver_matches(os.environ)  # starts the suite's preloaded server
+    cores = len(os.sched_getaffinity(0))
+    rate, per_rank = node_rate(200_000, 2, 1, 0, start_method="forkserver")
+    assert per_rank == max(1, cores // 2) and rate > 0
+    rate, per_rank = node_rate(200_000, 2, 1, cores, start_method="forkserver")
+    assert per_rank == cores and rate > 0  # the oversubscribed contender: every core each
