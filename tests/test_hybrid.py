@@ -359,3 +359,16 @@ def test_torchrun_two_nodes_of_two_ranks_train_each_mode_like_plain_adamw(tmp_pa
                     report["collective_across_nodes_bytes"]) == expected_bytes(name, shard_numel)
             if rank == 0:
                 fp32_bound("gpt", GAS, CLIP, STEPS).check(sd, f"{name} torchrun 2 nodes x 2")
+
+
+def test_a_subgroups_lost_peer_is_named_by_its_world_rank():
+    from offload.units.collectives import lost_peer_error
+    from offload.units.groups import ProcessGroupInfo
+
+    # HSDP's replicate group of world ranks 1 and 3 (rank 1 is its rank 0)
+    pg = ProcessGroupInfo(rank=0, world_size=2, group=None, backend="cpu:gloo", started_here=True,
+                          timeout_s=5.0, ranks=(1, 3))
+    text = str(lost_peer_error("all-reduce of 8 elements", pg, RuntimeError("Timed out waiting")))
+    assert text.startswith("rank 1 (in the group of ranks 1, 3): the all-reduce of 8 elements was not "
+                           "completed by the other ranks within collective_timeout_s=5 s (rank 3 "
+                           "did not answer"), text

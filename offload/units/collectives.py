@@ -247,9 +247,14 @@ def peer_lost(exc: BaseException) -> bool:
 
 
 def lost_peer_error(what: str, pg: ProcessGroupInfo, exc: BaseException) -> CollectiveTimeoutError:
-    """The error for collective `what` of rank `pg.rank` that no peer completed."""
-    others = [r for r in range(pg.world_size) if r != pg.rank]
-    peers = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
+    """The error for collective `what` of rank `pg.rank` that no peer completed; the ranks it
+    names are the world's (a subgroup's members by `pg.ranks`)."""
+    members = pg.ranks or tuple(range(pg.world_size))
+    others = [r for i, r in enumerate(members) if i != pg.rank]
+    peers = (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
+             if not pg.ranks else "one of ranks " + ", ".join(map(str, others)))
+    who = (f"rank {pg.rank} of {pg.world_size}" if not pg.ranks
+           else f"rank {members[pg.rank]} (in the group of ranks {', '.join(map(str, members))})")
     limit = (f"collective_timeout_s={pg.timeout_s:g} s" if pg.timeout_s is not None
              else "your process group's timeout")
     if re.search(r"timed out|timeout", str(exc), re.IGNORECASE):
@@ -257,7 +262,7 @@ def lost_peer_error(what: str, pg: ProcessGroupInfo, exc: BaseException) -> Coll
     else:  # the connection closed at once: no timeout was waited for
         happened = f"failed: {peers} closed its connection (it died or exited"
     return CollectiveTimeoutError(
-        f"rank {pg.rank} of {pg.world_size}: the {what} {happened}; torch.distributed: "
+        f"{who}: the {what} {happened}; torch.distributed: "
         f"{str(exc).strip()[:200]}). "
         f"A rank stopped, died or is far behind: check the other ranks' logs for their error; "
         f"raise collective_timeout_s if steps are really this slow")

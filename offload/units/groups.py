@@ -61,6 +61,10 @@ class ProcessGroupInfo:
     timeout_s: Optional[float] = None
     """The group's collective timeout in seconds when offload started it
     (`collective_timeout_s`); None for a group the user started (its own timeout applies)."""
+    ranks: tuple[int, ...] = ()
+    """The world ranks of the group's members, in group-rank order, for a subgroup (HSDP's
+    shard or replicate group, hpZ's node group: offload/units/mesh.py); () = the world, whose
+    group ranks are the world's. Errors name the world's ranks."""
     hybrid: Optional["HybridGroups"] = field(default=None, compare=False)
     """Past world size 1: the sharding groups this rank's units use (`HybridGroups`; with
     HSDP this group is the shard group, and `world` every rank). None at world size 1."""

@@ -68,7 +68,7 @@ def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
 
     def sub(group: dist.ProcessGroup) -> ProcessGroupInfo:
         return dataclasses.replace(world, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-                                   group=group)
+                                   group=group, ranks=tuple(dist.get_process_group_ranks(group)))
 
     if mode is ShardingMode.HSDP:
         s = config.sharding.shard_group_size
