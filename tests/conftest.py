@@ -95,7 +95,11 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "offload", "offload.engine", "tests.conftest", "tests.parity",
             "transformers", "accelerate", "peft"]
 _SERVER_ENV: dict[str, str] = {}
-_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
+"""Set and changed while the suite runs, read only at run time (the worker applies the
+caller's value): pytest's test name, and the CUDA availability check's mode, which
+`import deepspeed` sets for the rest of the process (os.environ.setdefault). Compared, the
+latter made every fork after the first DeepSpeed test fall back to a fresh interpreter."""
 
 
 def _start_method() -> str:

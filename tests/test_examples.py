@@ -430,3 +430,15 @@ def test_an_unused_nvme_path_is_named(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"note: --nvme-path {tmp_path / 'swap'} is not used: no tier is on NVMe" in out.stderr
     assert not (tmp_path / "swap").exists()
+
+
+def test_examples_fork_from_the_preloaded_server_after_deepspeed_was_imported():
+    """`import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK for the rest of the process; the
+    suite's forks must not take that for an import-time setting and fall back to fresh
+    interpreters for every later test ([Note: scripts forked from the preloaded server])."""
+    from tests.conftest import forkserver_matches
+
+    without = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    # the server took its environment with or without it: both must fork
+    assert forkserver_matches(without) and forkserver_matches({**without, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
+    assert not forkserver_matches({**without, "ATEN_CPU_CAPABILITY": "default"})  # an import-time one

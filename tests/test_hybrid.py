@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import offload
 from offload.config import Config, LoggingConfig, OffloadConfig, PrefetchConfig, ShardingConfig
@@ -127,13 +128,33 @@ def _resume(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
             run(engine, batches[: STEPS // 2])
             out["files"] = sorted(os.listdir(engine.save_checkpoint(save_dir)))
         run(engine, batches[STEPS // 2:])
-        if name == "resumed":
-            with pytest.raises(NotImplementedError) as refused:  # not built yet: said so
-                engine.sharded_state_dict()
-            out["dtensor refused"] = str(refused.value)
+        if name == "resumed":  # its state through DCP too: FSDP2's (replicate, shard) DTensors
+            sd = {"model": engine.sharded_state_dict(), "optim": engine.sharded_optimizer_state_dict()}
+            out["hsdp placements"] = [str(p) for p in sd["model"]["blocks.0.qkv.weight"].placements]
+            dcp.save(sd, checkpoint_id=os.path.join(save_dir, "dcp hsdp"))
+            out["moments"] = _moments(engine)
         out[name] = engine.full_state_dict()
         engine.close()
+    # Full sharding at world size 4 loads that DCP checkpoint (2-way shards re-sharded 4
+    # ways) and saves its own of the same values: one copy on disk each.
+    torch.manual_seed(0)
+    engine = offload.initialize(make_model("gpt"), _config(MODES["full"]))
+    sd = {"model": engine.sharded_state_dict(), "optim": engine.sharded_optimizer_state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(save_dir, "dcp hsdp"))
+    engine.load_sharded_state_dict(sd["model"])
+    engine.load_sharded_optimizer_state_dict(sd["optim"])
+    dcp.save(sd, checkpoint_id=os.path.join(save_dir, "dcp full"))
+    out["dcp into full sharding"] = engine.full_state_dict()
+    out["dcp moments"] = _moments(engine)
+    engine.close()
+    out["dcp bytes"] = {k: sum(os.path.getsize(os.path.join(save_dir, k, f)) for f in os.listdir(os.path.join(save_dir, k)))
+                        for k in ("dcp hsdp", "dcp full")}
     return out
+
+
+def _moments(engine: Any) -> dict[str, torch.Tensor]:
+    return {name: engine.param_state.full(name, "exp_avg_sq").cpu()
+            for name, p in engine.module.named_parameters() if p.requires_grad}
 
 
 def test_hsdp_checkpoint_written_by_one_group_resumes_exactly_and_reshards(four_ranks):
@@ -145,8 +166,26 @@ def test_hsdp_checkpoint_written_by_one_group_resumes_exactly_and_reshards(four_
         assert torch.equal(resume["resumed"][key], value), key
     assert four_ranks[2]["resume"]["resumed"].keys() == resume["uninterrupted"].keys()  # group 1's rank 0
     fp32_bound("gpt", GAS, CLIP, STEPS).check(resume["resumed as full sharding"], "hsdp checkpoint, full sharding at 4")
-    assert resume["dtensor refused"].startswith("engine.sharded_state_dict() with HSDP (sharding.shard_group_size "
-                                                "= 2 of 4 ranks) is not built yet")
+
+
+
+def test_hsdp_sharded_state_dicts_are_one_copy_through_dcp_and_reshard_exactly(four_ranks):
+    """HSDP's DTensor state dicts are FSDP2's: a 2-D (replicate, shard) mesh, placements
+    (Replicate(), Shard(0)); DCP writes the two groups' identical shards once (no more bytes
+    than full sharding's one copy of the same values at world size 4), and full sharding at
+    4 ranks loads them re-sharded, weights and moments bit for bit."""
+    for rank, out in enumerate(four_ranks):
+        resume = out["resume"]
+        assert resume["hsdp placements"] == ["R", "S(0)"], resume["hsdp placements"]  # Replicate(), Shard(0)
+        if rank == 0:  # the full state dicts land on rank 0 (of each shard group under HSDP)
+            assert resume["dcp into full sharding"].keys() == resume["resumed"].keys()
+            for key, value in resume["resumed"].items():
+                assert torch.equal(resume["dcp into full sharding"][key], value), key
+        for key, value in resume["moments"].items():
+            assert torch.equal(resume["dcp moments"][key], value), (rank, key)
+    on_disk = four_ranks[0]["resume"]["dcp bytes"]
+    print(f"DCP bytes on disk: HSDP 2x2 {on_disk['dcp hsdp']}, full sharding at 4 {on_disk['dcp full']}")
+    assert on_disk["dcp hsdp"] <= 1.05 * on_disk["dcp full"], on_disk  # not one copy per group
 
 
 def test_skipping_the_average_across_groups_fails_parity_by_orders_of_magnitude(four_ranks):

@@ -5,7 +5,9 @@ state-dict format (`engine.sharded_state_dict()` and friends).
 The layout is FSDP2's: one entry per `model.state_dict()` key, each parameter a `DTensor`
 of its full shape over a 1-D `DeviceMesh` of the engine's group, `Shard(0)` placement, the
 local tensor holding exactly the rows `torch.chunk` gives this rank (empty on ranks past
-the last chunk); a 0-d parameter is `Replicate()`. Buffers are plain tensors (every rank
+the last chunk); a 0-d parameter is `Replicate()`. Under HSDP the mesh is FSDP2's 2-D
+(replicate, shard) one and the placements (Replicate(), Shard(0)): every shard group holds
+the same rows, DCP writes them once. Buffers are plain tensors (every rank
 holds the same whole value; DCP writes one copy). The optimizer's dict is torch's
 `get_optimizer_state_dict` layout: `{"state": {key: {"step": 0-d fp32 tensor, "exp_avg":
 DTensor, ...}}, "param_groups": [{hyperparameters..., "params": [keys]}]}`, the state names
@@ -55,7 +57,6 @@ import torch
 import offload.units.collectives as _dist
 from offload.runtime.gathered import refuse_while_gathered
 from offload.runtime.view import Location, ShardedState
-from offload.units.groups import refuse_replicated
 from offload.units.layout import FROZEN_GROUP, ParamSlot, intersect
 from offload.units.shard import FlatUnit
 
@@ -113,23 +114,31 @@ def _flat_range(slot: ParamSlot, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _mesh(sharded: ShardedState) -> Optional["DeviceMesh"]:
-    """A 1-D mesh over the engine's group (None without one: world size 1, no group).
+    """A mesh over the engine's ranks (None without one: world size 1, no group): 1-D over
+    the group the units shard over; under HSDP, FSDP2's 2-D (replicate, shard) mesh of the
+    world, whose replicas torch.distributed.checkpoint writes once (it drops the copies of
+    a shard that several ranks hold) and reads into each.
 
     Its device type is "cpu" whatever the group's backend: the dicts live in host memory,
     where the state does, and `DTensor.from_local` copies a local tensor to its mesh's
     device type. DCP reads only the mesh's shape and this rank's coordinate."""
-    refuse_replicated(sharded.pg, "engine.sharded_state_dict()")  # HSDP's replicas: not yet
     if sharded.pg.group is None:
         return None
+    h = sharded.pg.hybrid
+    if h is not None and h.replicate is not None and h.replicate.group is not None:
+        ranks = torch.arange(h.world.world_size).view(-1, sharded.world_size)
+        return _dt().DeviceMesh.from_group([h.replicate.group, sharded.pg.group], "cpu", mesh=ranks,
+                                           mesh_dim_names=("replicate", "shard"))
     return _dt().DeviceMesh.from_group(sharded.pg.group, "cpu")
 
 
 def _wrap(local: torch.Tensor, slot: ParamSlot, mesh: "DeviceMesh") -> Value:
-    """`local` (this rank's rows) as a DTensor of the parameter's full shape."""
+    """`local` (this rank's rows) as a DTensor of the parameter's full shape: Shard(0) over
+    the mesh's last dimension, replicated over the others (HSDP's replicas)."""
     dt = _dt()
     full = torch.empty(slot.shape, dtype=local.dtype, device="meta")  # its contiguous stride
-    placement = dt.Shard(0) if slot.shape else dt.Replicate()
-    return dt.DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
+    placements = [dt.Replicate()] * (mesh.ndim - 1) + [dt.Shard(0) if slot.shape else dt.Replicate()]
+    return dt.DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
                               stride=full.stride())
 
 
@@ -265,11 +274,12 @@ def _local(key: str, value: Any, slot: ParamSlot, sharded: ShardedState) -> tupl
     if dt is not None and isinstance(value, dt.DTensor):
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{key}: shape {tuple(value.shape)}, the parameter's {slot.shape}")
-        if value.device_mesh.size() != sharded.world_size or len(value.placements) != 1:
-            raise ValueError(f"{key}: a DTensor over mesh {value.device_mesh} with placements "
-                             f"{value.placements}; this engine loads a 1-D mesh of its "
-                             f"{sharded.world_size} ranks (engine.sharded_state_dict()'s)")
-        placement = value.placements[0]
+        mesh, placements = value.device_mesh, value.placements
+        if mesh.shape[-1] != sharded.world_size or any(not p.is_replicate() for p in placements[:-1]):
+            raise ValueError(f"{key}: a DTensor over mesh {mesh} with placements {placements}; this "
+                             f"engine loads a mesh whose last dimension is its {sharded.world_size} "
+                             "sharding ranks, replicated over any other (engine.sharded_state_dict()'s)")
+        placement = placements[-1]
         if placement.is_replicate():
             return value.to_local().reshape(-1), False
         if not placement.is_shard(0):
@@ -359,7 +369,6 @@ def load_model_state_dict(sharded: ShardedState, state_dict: Mapping[str, Any],
     `model_state_dict` makes them, at any world size once DCP has re-sharded them, or whole
     tensors) into the fp32 masters and parameter shards; buffers copied whole. Every rank
     calls it with the same keys. `strict`: exactly `model.state_dict()`'s keys."""
-    refuse_replicated(sharded.pg, "engine.load_sharded_state_dict()")
     _prepare(sharded, "engine.load_sharded_state_dict")
     _check_keys((e.key for e in sharded.state_dict_index), state_dict, "the sharded state dict", strict)
     per_unit: dict[int, list[tuple[int, str, Any]]] = {}
@@ -398,7 +407,6 @@ def load_optimizer_state_dict(sharded: ShardedState, state_dict: Mapping[str, An
     count (as `optimizer_state_dict` makes them, re-sharded by DCP or whole) into this rank's
     optimizer state, and every group's hyperparameters; the masters are left as they are.
     Every rank calls it with the same keys."""
-    refuse_replicated(sharded.pg, "engine.load_sharded_optimizer_state_dict()")
     _prepare(sharded, "engine.load_sharded_optimizer_state_dict")
     names = _state_names(sharded)
     groups = state_dict["param_groups"]

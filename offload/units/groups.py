@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ProcessGroupInfo", "uses_nccl", "ShardingMode", "HybridGroups", "NodeTraffic",
-           "hsdp_groups", "node_groups", "peers_by_node", "refuse_replicated"]
+           "hsdp_groups", "node_groups", "peers_by_node"]
 
 
 def uses_nccl(backend: Optional[str]) -> bool:
@@ -175,16 +175,3 @@ class HybridGroups:
 
     def count(self, ranks: tuple[int, ...], per_peer_bytes: int) -> None:
         self.traffic.exchange(self.world_rank, ranks, per_peer_bytes, self.ranks_per_node)
-
-
-def refuse_replicated(pg: ProcessGroupInfo, what: str) -> None:
-    """Raise NotImplementedError for `what` under HSDP: the DTensor state dicts are laid out
-    over the shard group's 1-D mesh, and HSDP's would need FSDP2's 2-D one (Replicate,
-    Shard(0)) for torch.distributed.checkpoint to see the replicas; not built yet
-    (docs/multinode.md). offload's own checkpoints work under HSDP ([Note: HSDP checkpoints])."""
-    h = pg.hybrid
-    if h is not None and h.replicate is not None:
-        raise NotImplementedError(
-            f"{what} with HSDP (sharding.shard_group_size = {pg.world_size} of {h.world.world_size} "
-            "ranks) is not built yet: its DTensors would need a 2-D (replicate, shard) mesh; use "
-            "engine.save_checkpoint / load_checkpoint, which work under HSDP")
