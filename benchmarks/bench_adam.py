@@ -129,16 +129,21 @@ def huge_empty(n: int, dtype: torch.dtype, keep: list) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=dtype, count=n)
 
 
-def huge_page_bytes() -> Optional[int]:
-    """Anonymous memory of this process on transparent huge pages (/proc), None if unknown."""
+def _proc_bytes(path: str, key: str) -> Optional[int]:
+    """A `key: N kB` line of a /proc file, in bytes; None when there is none."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("AnonHugePages:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def huge_page_bytes() -> Optional[int]:
+    """Anonymous memory of this process on transparent huge pages, None if unknown."""
+    return _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 class Buffers:
@@ -385,14 +390,7 @@ def _check_targets(rows: list[dict], threads: int) -> list[str]:
 
 
 def _mem_available_bytes() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 if __name__ == "__main__":
