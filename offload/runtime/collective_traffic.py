@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from offload.sizes import format_bytes
+from offload.runtime.step_deltas import StepDeltas
 from offload.units.groups import ProcessGroupInfo
 
 __all__ = ["CollectiveMeter", "collective_text"]
@@ -21,7 +22,7 @@ class CollectiveMeter:
 
     def __init__(self, pg: ProcessGroupInfo) -> None:
         self.hybrid = pg.hybrid
-        self._at = (0, *self._counters())
+        self._deltas = StepDeltas(self._counters)
 
     def _counters(self) -> tuple[int, int]:
         t = self.hybrid.traffic if self.hybrid is not None else None
@@ -32,13 +33,9 @@ class CollectiveMeter:
         rank, and "sharding" (the mode's name). `n`: the optimizer steps taken so far."""
         if self.hybrid is None:
             return None
-        within, across = self._counters()
-        steps = max(1, n - self._at[0])
-        out = {"sharding": self.hybrid.mode.name,
-               "collective_within_node_bytes": (within - self._at[1]) / steps,
-               "collective_across_nodes_bytes": (across - self._at[2]) / steps}
-        self._at = (n, within, across)
-        return out
+        within, across = self._deltas.per_step(n)
+        return {"sharding": self.hybrid.mode.name, "collective_within_node_bytes": within,
+                "collective_across_nodes_bytes": across}
 
 
 def collective_text(r: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from offload.runtime.step_deltas import StepDeltas
 from offload.runtime.view import ShardedState
 from offload.sizes import align_up, format_bytes
 from offload.storage.nvme import NVMeContext
@@ -105,7 +106,7 @@ class SwapMeter:
     def __init__(self, nvme: Optional[NVMeContext], node_ranks: int) -> None:
         self.nvme = nvme
         self.node_ranks = node_ranks
-        self._at = (0, *self._counters())
+        self._deltas = StepDeltas(self._counters)
 
     def _counters(self) -> tuple[int, int]:
         stats = self.nvme.stats if self.nvme is not None else None
@@ -117,13 +118,9 @@ class SwapMeter:
         without an NVMe tier. `n`: the optimizer steps taken so far."""
         if self.nvme is None:
             return None
-        written, read = self._counters()
-        steps = max(1, n - self._at[0])
-        out = {"swap_written_bytes": (written - self._at[1]) / steps,
-               "swap_read_bytes": (read - self._at[2]) / steps}
-        out["node_swap_written_bytes"] = out["swap_written_bytes"] * self.node_ranks
-        self._at = (n, written, read)
-        return out
+        written, read = self._deltas.per_step(n)
+        return {"swap_written_bytes": written, "swap_read_bytes": read,
+                "node_swap_written_bytes": written * self.node_ranks}
 
 
 def swap_text(r: dict[str, Any]) -> str:
