@@ -254,6 +254,7 @@ class Engine:
             # With the optimizer worker, gradient shards come down from the GPU on a side
             # stream; the worker waits for each (offload/runtime/optimizer_worker.py).
             self.backward_tracker.copy_grads_async(self.policy.async_updates and self.device.type == "cuda")
+            self.backward_tracker.set_boundary(self.policy.is_boundary())
         self.gather.use(unit, Phase.BACKWARD)
         self.backward_tracker.entered(unit)
         if self.policy.mode is StepMode.IN_BACKWARD:

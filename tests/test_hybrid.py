@@ -26,8 +26,9 @@ import offload
 from offload.config import Config, LoggingConfig, OffloadConfig, PrefetchConfig, ShardingConfig
 from offload.units.groups import ShardingMode, hsdp_groups, node_groups, peers_by_node
 from offload.units.mesh import sharding_mode
-from tests.conftest import check_torchrun_exit, free_port, run_distributed
-from tests.test_engine import batches_for, fp32_bound, make_config, make_model
+from tests.conftest import TinyGPT, check_torchrun_exit, free_port, lm_loss, run_distributed
+from tests.parity import Fp32Bound, plain_loop
+from tests.test_engine import LR, WD, batches_for, fp32_bound, make_config, make_model
 
 STEPS, GAS, CLIP = 8, 2, 0.05
 """8 micro-batches, 4 optimizer steps, clipping active: the global norm must be right."""
@@ -52,11 +53,17 @@ def _train(cfg, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], di
     torch.manual_seed(0)
     engine = offload.initialize(make_model("gpt"), cfg)
     hybrid = engine.pg.hybrid
+    device = []
     for x, y in batches_for("gpt", STEPS):
         n = x.shape[0] // world_size
         engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        device.append(engine.memory_bytes()["device"])
         engine.step()
+    device.append(engine.memory_bytes()["device"])
     info: dict[str, Any] = {"mode": None if hybrid is None else hybrid.mode,
+                            "device before and after the last step": device[-2:],
+                            "subgroups": None if hybrid is None or hybrid.mesh is None else
+                            [id(hybrid.mesh.get_group(d)) for d in hybrid.mesh.mesh_dim_names],
                             "shard_numel": [u.layout.shard_numel for u in engine.units],
                             "report": engine.reporter.last}
     info["line"] = engine.reporter._line(engine.reporter.last)  # the step report's text
@@ -89,7 +96,88 @@ def _four_ranks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     finally:
         grad_reduce.average_across_replicas = real  # type: ignore[assignment]
     out["resume"] = _resume(rank, world_size, os.path.join(tmp, "checkpoints"))
+    out["window"] = _hsdp_window(rank, world_size)
     return out
+
+
+# -- HSDP's average across groups, once per step -------------------------------------------------
+
+
+class _LastBlockFirstOnly(TinyGPT):
+    """The tiny GPT whose last block runs only while `use_last` (set before each forward):
+    at a step's first micro-batch and not at its last, so at the boundary that block's
+    gradient shard holds the first micro-batch's un-averaged sums ([Note: HSDP averages once
+    per step])."""
+
+    use_last = True
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.blocks[: len(self.blocks) - (0 if self.use_last else 1)]:
+            x = blk(x)
+        return lm_loss(self.lm_head(self.ln_f(x)), targets)
+
+
+def _route(model: torch.nn.Module, micro_batch: int) -> None:
+    model.use_last = micro_batch % GAS == 0
+
+
+def _last_block_first_only() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _LastBlockFirstOnly(n_layer=3)
+
+
+WATCHED = "blocks.1.fc.weight"
+"""Its gradient is read (`engine.full_grad`) inside the first window, after micro-batch 0."""
+
+
+def _hsdp_window(rank: int, world_size: int) -> dict[str, Any]:
+    """HSDP with a unit the boundary micro-batch never reaches, and `full_grad` read inside
+    the window: (the full state dict after STEPS micro-batches, that gradient)."""
+    engine = offload.initialize(_last_block_first_only(), _config(MODES["hsdp"]))
+    out: dict[str, Any] = {}
+    for i, (x, y) in enumerate(batches_for("gpt", STEPS)):
+        n = x.shape[0] // world_size
+        _route(engine.module, i)
+        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        if i == 0:
+            out["grad"] = engine.full_grad(WATCHED).cpu()
+        engine.step()
+    out["sd"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def test_hsdp_averages_a_unit_the_boundary_micro_batch_never_reached(four_ranks):
+    """Its shard still holds micro-batch 0's un-averaged sums at the step: the step averages
+    it before the norm and the update (without that, that block trains on its group's half
+    of the data and lands orders of magnitude outside the bound)."""
+    bound = Fp32Bound.measure(lambda **o: plain_loop(
+        _last_block_first_only, batches_for("gpt", STEPS), lr=LR, weight_decay=WD, gas=GAS, clip=CLIP,
+        before_forward=_route, **o))
+    bound.check(four_ranks[0]["window"]["sd"], "hsdp, a unit the boundary never reached")
+
+
+def test_full_grad_inside_the_window_is_the_mean_across_groups(four_ranks):
+    """After micro-batch 0 the gradient shards hold each group's sums (no average yet);
+    `full_grad` still returns the whole batch's gradient, against a float64 plain backward:
+    bound 8x the fp32 plain backward's own error; the gradient of one group's half of the
+    batch (what the shard holds) is more than 100x outside it."""
+    x, y = batches_for("gpt", 1)[0]
+
+    def grad(dtype: torch.dtype, rows: slice) -> torch.Tensor:
+        model = _last_block_first_only().to(dtype)
+        (model(x[rows], y[rows]) / GAS).backward()
+        return dict(model.named_parameters())[WATCHED].grad.double()
+
+    truth, fp32 = grad(torch.float64, slice(None)), grad(torch.float32, slice(None))
+    bound = 8 * max(float((fp32 - truth).abs().max()), torch.finfo(torch.float32).eps * float(truth.abs().max()))
+    half = x.shape[0] // NODES
+    for rank, out in enumerate(four_ranks):
+        err = float((out["window"]["grad"].double() - truth).abs().max())
+        assert err <= bound, (rank, err, bound)
+    group0 = grad(torch.float64, slice(0, half))  # shard group 0 (ranks 0, 1) holds rows [0, half)
+    assert float((group0 - truth).abs().max()) > 100 * bound
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +302,8 @@ def expected_bytes(mode: str, shard_numel: list[int], world: int = NODES * PER_N
     if mode == "hsdp":  # the shard group is the node; its replicas, one per other node
         groups = world // per_node
         within = (per_node - 1) * gas * (gathered + reduced) * itemsize
-        across = (groups - 1) * gas * 2 * reduced * itemsize // groups  # all-reduce of the shard
+        # one all-reduce of the shard per step, at the boundary ([Note: HSDP averages once per step])
+        across = (groups - 1) * 2 * reduced * itemsize // groups
         return within, across
     assert mode == "hpz"
     # The first gather of each unit per step over the world; the others within the node from
@@ -240,7 +329,27 @@ def test_the_step_report_names_the_world_rank_and_the_bytes(four_ranks):
     # HSDP: ranks 2 and 3 are ranks 0 and 1 of their shard group; the report names the world's
     line = four_ranks[3]["hsdp"][1]["line"]
     assert line.startswith("step 4 [rank 3]"), line
-    assert "HSDP collectives 416.00 KiB/step within node, 144.00 KiB across" in line, line
+    assert "HSDP collectives 416.00 KiB/step within node, 72.00 KiB across" in line, line
+
+
+@pytest.mark.parametrize("name", ["full", "hsdp", "hpz"])
+def test_memory_bytes_counts_hpz_copies_until_the_update_drops_them(name, four_ranks):
+    """Before the last step every unit holds its hpZ copy (its padded size / L elements,
+    fp32 here); the step's update drops them all. Nothing of the kind without hpZ."""
+    for rank in range(NODES * PER_NODE):
+        info = four_ranks[rank][name][1]
+        before, after = info["device before and after the last step"]
+        copies = sum(n * NODES for n in info["shard_numel"]) * 4 if name == "hpz" else 0
+        assert before - after == copies, (rank, before, after, copies)
+
+
+def test_later_engines_of_a_shape_reuse_its_subgroups(four_ranks):
+    """[Note: one mesh per shape]: the NVMe runs' engines, built after the host-tier ones,
+    run on the same process groups, not new ones (which nothing would ever free)."""
+    for out in four_ranks:
+        for name in ("hsdp", "hpz"):
+            assert out[name][1]["subgroups"] is not None
+            assert out[name + " nvme"][1]["subgroups"] == out[name][1]["subgroups"], name
 
 
 def test_hsdp_and_hpz_send_fewer_bytes_across_nodes_than_full_sharding(four_ranks):

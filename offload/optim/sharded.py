@@ -87,6 +87,9 @@ class UnitOptimizerState:
     slot_has_grad: list[bool] = field(default_factory=list)
     grad_valid: bool = False
     """False until the first micro-batch of a step writes `grad` (then later ones add)."""
+    grad_unaveraged: bool = False
+    """HSDP: `grad` holds sums of this step's reductions not yet averaged across the replicas
+    ([Note: HSDP averages once per step] in offload/units/hybrid.py)."""
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
     grad_ready: Optional[torch.cuda.Event] = None
@@ -490,6 +493,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine's own clearing at a step, `engine.zero_grad()`, a checkpoint load."""
         for st in self.unit_states:
             st.grad_valid = False
+            st.grad_unaveraged = False
             st.slot_has_grad = [False] * len(st.slot_has_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

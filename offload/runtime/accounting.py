@@ -1,7 +1,7 @@
 """What the engine holds, per kind of memory (`engine.memory_bytes()`, docs/engine.md).
 
-'device' (compute-device memory: parameter shards on the device tier, gathered full
-buffers, buffers), 'host' (CPU memory: parameter shards on the host tier, fp32 master,
+device' (compute-device memory: parameter shards on the device tier, gathered full
+buffers, hpZ's node-local copies, buffers), 'host' (CPU memory: parameter shards on the host tier, fp32 master,
 gradient shards, Adam moments — with the optimizer on NVMe only the gradient shards),
 'pinned' (the NVMe staging pool: every byte it holds, in use or idle; host memory too,
 page-locked on a GPU run), 'nvme' (swap files: parameter shards and optimizer states,
@@ -31,6 +31,8 @@ def _held(state: ShardedState) -> Iterator[tuple[str, torch.Tensor]]:
         yield from owner.memory_tensors()
     for unit in state.units:
         yield "device", unit.full
+        if unit.secondary is not None and unit.secondary.copy is not None:
+            yield "device", unit.secondary.copy  # hpZ's node-local copy, until the unit's update
     for b in state.module.buffers():
         yield "device", b
     for staging in state.optimizer.staging_buffers:

@@ -53,6 +53,7 @@ import torch
 from offload.runtime.build import acquire_storage, zero_unwritten
 from offload.runtime.timeline import Timeline, now
 from offload.units.full_buffers import CAN_POINT, point_storage, unpoint_storage
+from offload.units.hybrid import ReplicaMean, replica_mean
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
@@ -123,6 +124,8 @@ class BackwardTracker:
         self.async_grads = False
         """This pass's gradient shards come down from the GPU asynchronously (set per pass
         by the engine: with the optimizer worker): the shard's `grad_ready` event says when."""
+        self.at_boundary = True
+        """This pass ends the step's accumulation window (set per pass by the engine)."""
         self.scratch = GradScratch(states, enabled=share_scratch and transient_grads and self.world_size == 1)
         """Memory for transient gradient shards ([Note: one scratch for transient gradient
         shards]); not shared when the optimizer worker updates one unit while the next is
@@ -213,8 +216,10 @@ class BackwardTracker:
             if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
                 self.scratch.acquire(st.grad, unit.layout, self.rank,
                                      whole=self.world_size > 1 or st.grad_valid)
-            red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid)
+            mean = replica_mean(unit.pg, self.at_boundary, st.grad_valid, st.grad_unaveraged)
+            red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid, replicas=mean)
             st.grad_valid = True
+            st.grad_unaveraged = mean is ReplicaMean.LATER
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
             self._reduces.append((unit, red, t0))
         t1 = now()
@@ -243,6 +248,12 @@ class BackwardTracker:
             self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)
             done.append(unit)
         return done
+
+    def set_boundary(self, at_boundary: bool) -> None:
+        """Whether this backward pass ends the step's accumulation window (HSDP averages
+        across replicas there: [Note: HSDP averages once per step] in units/hybrid.py), set as
+        each backward pass starts."""
+        self.at_boundary = at_boundary
 
     def copy_grads_async(self, on: bool) -> None:
         """Whether this backward's gradient shards come down from the GPU on a side stream

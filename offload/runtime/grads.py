@@ -25,6 +25,7 @@ from torch import nn
 
 from offload.runtime.optimizer_step import StepPolicy
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.hybrid import average_shard_across_replicas
 from offload.units.shard import FROZEN_GROUP, FlatUnit
 
 __all__ = ["Gradients"]
@@ -170,6 +171,8 @@ class Gradients:
             flat[p_off : p_off + n].copy_(st.grad[s_off : s_off + n])
         flat[-1] = float(st.slot_has_grad[si])  # a local gradient existed (summed: any rank)
         flat = all_reduce_host(flat, "sum", self.pg, self.device)
+        if st.grad_unaveraged:  # HSDP inside a window: the mean across replicas, shard untouched
+            average_shard_across_replicas(flat, self.units[ui].pg, self.device)
         if flat[-1].item() == 0:
             return None
         policy = self.policy

@@ -75,6 +75,7 @@ from offload.runtime.optimizer_worker import OptimizerWorker
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import Schedule, StepCounters
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.hybrid import average_shard_across_replicas
 from offload.units.shard import FlatUnit
 from offload.config.sections import Config
 from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
@@ -352,6 +353,7 @@ class StepPolicy:
             self.timeline.count("optimizer_wait", now() - t0)
         if err is not None:
             raise err
+        self.average_across_replicas()
         skip = self.updated
         # NVMe: the first units' state reads run under the overflow check and the norm.
         self.optimizer.prefetch(skip)
@@ -458,10 +460,23 @@ class StepPolicy:
                 "call engine.step() to finish this step"
             )
         if self._norm is None:
+            self.average_across_replicas()
             self._norm = self._grad_norm(1.0 / (self.scaler.scale * gas))
         self.clip_request = float(max_norm)
         self._user_clips = True  # learned as several passes are: later steps update at step()
         return self._norm
+
+    def average_across_replicas(self) -> None:
+        """HSDP: average the gradient shards that still hold un-averaged sums (no reduction
+        at the boundary reached their unit) across the replicas, in unit order on every rank
+        ([Note: HSDP averages once per step] in offload/units/hybrid.py)."""
+        for st in self.states:
+            if st.grad_unaveraged:
+                if st.grad_ready is not None:
+                    ready, st.grad_ready = st.grad_ready, None
+                    ready.synchronize()
+                average_shard_across_replicas(st.grad, st.unit.pg, self.device)
+                st.grad_unaveraged = False
 
     def discard_gradients(self) -> None:
         """Forget the gradients accumulated since the last step (the step's own clearing,

@@ -30,7 +30,7 @@ class GradReduce:
         work: Optional[dist.Work] = None,
         flat: Optional[torch.Tensor] = None,
         finish: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None,
-        across: Optional[tuple[torch.Tensor, ProcessGroupInfo]] = None,
+        across: Optional[tuple[torch.Tensor, ProcessGroupInfo, bool]] = None,
     ) -> None:
         self.have = have
         self._work = work
@@ -38,8 +38,10 @@ class GradReduce:
         self._finish = finish
         """(the reduced gradient, the gradient shard it goes to, whether to add to it)."""
         self._across = across
-        """HSDP: (the reduced shard, the group whose replicas it is averaged across) once the
-        collective completed, before it goes to the gradient shard; None otherwise."""
+        """HSDP at an accumulation boundary: (the reduced shard, the group whose replicas it
+        is averaged across, whether the gradient shard's un-averaged sums are added in first:
+        `ReplicaMean.FOLD`) once the collective completed, before it goes to the gradient
+        shard; None otherwise ([Note: HSDP averages once per step] in units/hybrid.py)."""
 
     def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
         """Complete the reduction into the gradient shard. Returns None when the shard holds
@@ -50,7 +52,11 @@ class GradReduce:
             work, self._work = self._work, None
             work.wait()
         if self._across is not None:
-            (reduced, pg), self._across = self._across, None
+            (reduced, pg, fold), self._across = self._across, None
+            if fold and self._finish is not None:
+                out, grad_shard, _ = self._finish
+                reduced[: grad_shard.numel()].add_(grad_shard.to(reduced.device, non_blocking=True))
+                self._finish = (out, grad_shard, False)  # the sum replaces the shard
             average_across_replicas(reduced, pg)  # before the copy out: every step reads the mean
         flat, self._flat = self._flat, None
         event = None

@@ -15,6 +15,20 @@ changes (`FlatUnit.invalidate`: an optimizer update, a load, a write through
 `engine.gathered`), so the next gather goes over the world again and no rank ever reads a
 stale value. Every rank of the world invalidates the same units at the same points, so all
 ranks choose the same group for each gather (the collectives stay matched).
+
+[Note: HSDP averages once per step]
+Under HSDP a unit's gradient is reduce-scattered within its shard group every micro-batch,
+and averaged across the replicas (the other groups, on the other nodes) once per optimizer
+step: inside an accumulation window the rank's gradient shard sums the group's
+reductions (`ReplicaMean.LATER`), and the reduction of the window's last micro-batch adds
+that sum in before the average (`FOLD`), so each gradient crosses the nodes once per step,
+not once per micro-batch. The mean is linear, so this is the same average. A pass at the
+boundary onto a shard already averaged (a second backward pass of the last micro-batch)
+averages only its own reduction (`NOW`): an average of an average would divide and sum
+again, and round. A unit no micro-batch at the boundary reached still holds un-averaged
+sums at the step: the step averages its shard there (`average_shard_across_replicas`),
+before the norm or any update reads it. Every rank reduces the same units at the same
+points, so the replicas' collectives stay matched.
 """
 
 from __future__ import annotations
@@ -29,8 +43,30 @@ import torch.distributed as dist
 import offload.units.collectives as _dist
 from offload.units.groups import HybridGroups, ProcessGroupInfo
 
-__all__ = ["SecondaryShard", "SecondaryState", "all_gather_unit", "reduce_scatter_unit", "all_reduce_unit",
-           "average_across_replicas", "secondary_for"]
+__all__ = ["ReplicaMean", "SecondaryShard", "SecondaryState", "all_gather_unit", "reduce_scatter_unit",
+           "all_reduce_unit", "average_across_replicas", "average_shard_across_replicas", "replica_mean",
+           "secondary_for"]
+
+
+class ReplicaMean(enum.Enum):
+    """What a unit's gradient reduction does across HSDP's replicas ([Note: HSDP averages
+    once per step])."""
+
+    NONE = "no replicas (not HSDP): the shard group's mean is the mean"
+    LATER = "inside an accumulation window: the shard sums the group's reductions, averaged at the boundary"
+    NOW = "at the boundary, onto a shard with nothing un-averaged: this reduction is averaged, then stored"
+    FOLD = "at the boundary, onto a shard holding un-averaged sums: the shard is added in, the whole averaged"
+
+
+def replica_mean(pg: ProcessGroupInfo, at_boundary: bool, accumulate: bool, unaveraged: bool) -> ReplicaMean:
+    """The `ReplicaMean` of a unit's reduction: `at_boundary`, this backward pass ends the
+    step's accumulation window; `accumulate`, the gradient shard holds earlier reductions of
+    this step; `unaveraged`, some of them are not averaged across the replicas yet."""
+    if pg.hybrid is None or pg.hybrid.replicate is None:
+        return ReplicaMean.NONE
+    if not at_boundary:
+        return ReplicaMean.LATER
+    return ReplicaMean.FOLD if accumulate and unaveraged else ReplicaMean.NOW
 
 
 class SecondaryState(enum.Enum):
@@ -149,3 +185,16 @@ def average_across_replicas(t: torch.Tensor, pg: ProcessGroupInfo) -> None:
         return
     h.count(h.replicate_ranks, _all_reduce_bytes(t, h.replicate.world_size))
     _dist.all_reduce_mean_(t, h.replicate)
+
+
+def average_shard_across_replicas(shard: torch.Tensor, pg: ProcessGroupInfo,
+                                  compute_device: torch.device) -> None:
+    """HSDP, at the step: a gradient shard that still holds un-averaged sums (no reduction
+    at the boundary folded them in: [Note: HSDP averages once per step]) = its mean across
+    the replicas, through the device the replicate group's backend needs (NCCL: the GPU)."""
+    h = pg.hybrid
+    assert h is not None and h.replicate is not None, "only HSDP has replicas"
+    x = shard.to(_dist.collective_device(h.replicate, compute_device))
+    average_across_replicas(x, pg)
+    if x is not shard:
+        shard.copy_(x)

@@ -17,11 +17,23 @@ the `ProcessGroupInfo` the engine's units shard over, its `hybrid` carrying the 
 
 Every rank must call `setup_groups` with the same config (the mesh makes its subgroups
 collectively, in the same order on every rank).
+
+[Note: one mesh per shape]
+A mesh's subgroups are process groups: NCCL communicators on a GPU (each with its own
+buffers on the device), gloo's sockets and threads on the CPU. A loop that builds engine
+after engine (a sweep, the tests) would make new ones at every `initialize` and never free
+them, and destroying them at `engine.close()` would break the DTensors of
+`sharded_state_dict()` the user may still hold. So the meshes are kept per (device type,
+shape, dimension names) for the life of the world group they were made in, and every later
+engine of that shape uses the same subgroups: every rank asks for the same meshes in the
+same order, so every rank finds the same ones. A cached mesh whose world group was
+destroyed (the user's `destroy_process_group`, then a new `init_process_group`) is made anew.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -30,7 +42,27 @@ from offload.config.sharding import ShardingConfig
 from offload.units.collectives import setup_process_group
 from offload.units.groups import HybridGroups, ProcessGroupInfo, ShardingMode, hsdp_groups, node_groups
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["setup_groups", "sharding_mode"]
+
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[object, "DeviceMesh"]] = {}
+"""(device type, shape, names) -> (the world group it was made in, the mesh): [Note: one
+mesh per shape]."""
+
+
+def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
+    """torch's `init_device_mesh`, made once per shape in this world group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, shape, names)
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _MESHES[key] = (dist.group.WORLD, mesh)
+    return mesh
 
 
 def sharding_mode(sharding: ShardingConfig, world_size: int, ranks_per_node: int) -> ShardingMode:
@@ -64,15 +96,13 @@ def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
     if mode is ShardingMode.FULL:
         return dataclasses.replace(world, hybrid=HybridGroups(
             mode=mode, world=world, world_rank=me, shard_ranks=everyone, ranks_per_node=per_node))
-    from torch.distributed.device_mesh import init_device_mesh
-
     def sub(group: dist.ProcessGroup) -> ProcessGroupInfo:
         return dataclasses.replace(world, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
                                    group=group, ranks=tuple(dist.get_process_group_ranks(group)))
 
     if mode is ShardingMode.HSDP:
         s = config.sharding.shard_group_size
-        mesh = init_device_mesh(device_type, (world.world_size // s, s), mesh_dim_names=("replicate", "shard"))
+        mesh = _mesh(device_type, (world.world_size // s, s), ("replicate", "shard"))
         shard_groups, replicate_groups = hsdp_groups(world.world_size, s)
         shard = sub(mesh.get_group("shard"))
         hybrid = HybridGroups(
@@ -81,7 +111,7 @@ def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
             replicate_ranks=replicate_groups[me % s], mesh=mesh)
         return dataclasses.replace(shard, hybrid=hybrid)
     size = config.sharding.hpz_partition_size
-    mesh = init_device_mesh(device_type, (world.world_size // size, size), mesh_dim_names=("across", "within"))
+    mesh = _mesh(device_type, (world.world_size // size, size), ("across", "within"))
     hybrid = HybridGroups(
         mode=mode, world=world, world_rank=me, shard_ranks=everyone, ranks_per_node=per_node,
         node=sub(mesh.get_group("within")), node_ranks=node_groups(world.world_size, size)[me // size],

@@ -39,7 +39,8 @@ from offload.units.layout import (
 )
 from offload.units.full_buffers import CAN_POINT, FullBuffers
 from offload.units.grad_reduce import GradReduce
-from offload.units.hybrid import all_gather_unit, all_reduce_unit, reduce_scatter_unit, secondary_for
+from offload.units.hybrid import (ReplicaMean, all_gather_unit, all_reduce_unit, reduce_scatter_unit,
+                                  secondary_for)
 from offload.units.parameter import UnitParameter
 from offload.units.storage_bytes import alloc_storage as _alloc_storage, free_storage as _free_storage
 
@@ -478,13 +479,15 @@ class FlatUnit:
 
     # -- gradients ------------------------------------------------------------------------
 
-    def start_reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool) -> "GradReduce":
+    def start_reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool,
+                             replicas: ReplicaMean = ReplicaMean.NOW) -> "GradReduce":
         """Average this unit's parameter gradients over ranks into `grad_shard` (fp32, host:
         the rank's shard up to `master_numel`), adding to it when `accumulate`; drop the full gradients, so
         the unit can be freed at once. With more than one rank the collective is only
         issued (it runs while backward goes on to earlier units) and `GradReduce.wait()`
         completes it; every rank must take part. `GradReduce.have[i]`: slot i had a local
-        gradient."""
+        gradient. HSDP: `replicas` says whether the result is averaged across the replicas
+        now ([Note: HSDP averages once per step] in units/hybrid.py)."""
         params = self.params
         # torch's own getter: per parameter per micro-batch, past UnitParameter's check.
         grads = [_GRAD_OF(p) for p in params]
@@ -530,7 +533,9 @@ class FlatUnit:
             work = all_reduce_unit(flat, self.pg, async_op=True)
             return GradReduce(have, work, flat, (flat[lo:hi], grad_shard, accumulate))
         work = reduce_scatter_unit(out, flat, self.pg, async_op=self.pg.world_size > 1)
-        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate), (out, self.pg))
+        across = ((out, self.pg, replicas is ReplicaMean.FOLD)
+                  if replicas in (ReplicaMean.NOW, ReplicaMean.FOLD) else None)
+        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate), across)
 
     def full_bytes(self) -> int:
         """Bytes the full buffer holds right now (0 when freed or aliased)."""
