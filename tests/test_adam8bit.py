@@ -309,6 +309,33 @@ def test_step_is_dequantize_then_fp32_adam_then_quantize(combo):
             assert_bitwise_equal(out, out2, f"step {t}: out_lowp")
 
 
+@pytest.mark.parametrize("isa", ["scalar", "portable", "avx2", "auto"])
+def test_blocks_with_a_zero_or_nonfinite_moment_step_as_their_parts(isa):
+    """The step quantises a block's two moments in one loop only when both are ordinary
+    (adam8bit_math.h `quantize_pair`); a block whose exp_avg is exactly zero while its
+    exp_avg_sq is not (zero gradient, zero momentum), one whose moments turn NaN, and an
+    ordinary one still equal dequantise -> fp32 Adam -> quantise bit for bit."""
+    n = 3 * 256 + 17
+    master, moments, grads = _state(n, 3)
+    moments.exp_avg_codes[:256] = 127  # block 0: exp_avg exactly zero (the signed map's zero)
+    moments.exp_avg_scales[0] = 0.0
+    g = grads[0].clone()
+    g[:256] = 0.0  # ... and stays zero: a zero gradient, decoupled decay
+    g[300] = math.nan  # block 1: both moments NaN
+    master2, moments2 = master.clone(), Moments8bit(*(t.clone() for t in moments))
+    adam8bit_step_flat(master, g, *moments, step=5, weight_decay=0.1, isa=isa, **HYPER)
+    m = dequantize_blockwise(moments2.exp_avg_codes, moments2.exp_avg_scales, True)
+    v = dequantize_blockwise(moments2.exp_avg_sq_codes, moments2.exp_avg_sq_scales, False)
+    adam_step_flat(master2, g, m, v, step=5, weight_decay=0.1, isa=isa, **HYPER)
+    quantize_blockwise(m, True, codes=moments2.exp_avg_codes, scales=moments2.exp_avg_scales, isa=isa)
+    quantize_blockwise(v, False, codes=moments2.exp_avg_sq_codes, scales=moments2.exp_avg_sq_scales, isa=isa)
+    assert moments.exp_avg_scales[0].item() == 0.0 and moments.exp_avg_sq_scales[0].item() > 0.0
+    assert math.isnan(moments.exp_avg_scales[1].item()) and math.isnan(moments.exp_avg_sq_scales[1].item())
+    for name, a, b in zip(("master", "m codes", "m scales", "v codes", "v scales"),
+                          [master, *moments], [master2, *moments2]):
+        assert_bitwise_equal(a, b, f"{isa}: {name}")
+
+
 def test_first_step_from_zero_moments_equals_fp32_adam():
     n = 1000
     gen = torch.Generator().manual_seed(2)

@@ -436,3 +436,24 @@ def test_adam_node_rate_gives_each_rank_its_share_of_the_cores():
     assert per_rank == max(1, cores // 2) and rate > 0
     rate, per_rank = node_rate(200_000, 2, 1, cores, start_method="forkserver")
     assert per_rank == cores and rate > 0  # the oversubscribed contender: every core each
+
+
+def test_ab_builds_alternates_two_builds_and_says_whether_their_bits_agree(tmp_path):
+    """benchmarks/ab_builds.py (kernel work): one process per build on the same data; the
+    same build twice computes the same bits, a build whose step differs does not."""
+    import shutil
+
+    other = tmp_path / "b"
+    shutil.copytree(os.path.join(ROOT, "offload"), other / "offload",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    path = other / "offload" / "optim" / "adam8bit.py"
+    text = path.read_text()
+    assert "float(lr)," in text
+    path.write_text(text.replace("float(lr),", "float(lr) * 2,", 1))  # B: another step
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for b, same in ((ROOT, True), (str(other), False)):
+        run = run_python([os.path.join(ROOT, "benchmarks", "ab_builds.py"), "--a", ROOT, "--b", b,
+                          "--params", "0.01", "--rounds", "4", "--warmup", "1"], cwd=ROOT, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "adam8bit, 0.01M params, 1 thread(s), 3 rounds: A " in run.stdout, run.stdout
+        assert run.stdout.rstrip().endswith(f"same bits: {same}"), run.stdout

@@ -157,6 +157,42 @@ inline float quantize_block(const CodeMap& map, const float* buf, uint8_t* codes
   return scale;
 }
 
+// Pass 2 for both moments of a block: exactly quantize_block(mm, ...) and then
+// quantize_block(vm, ...), with the two maps' vectors interleaved in one loop (two
+// independent chains per iteration: the AVX512-VBMI step 1.10x faster in cache, unchanged
+// from memory; docs/adam.md). `mm` is the signed map, `vm` the
+// unsigned one; a block whose moments are not both ordinary (zero or non-finite) takes
+// quantize_block for each.
+template <class L>
+inline void quantize_pair(const CodeMap& mm, const float* mbuf, uint8_t* mcodes, uint32_t mbits,
+                          float* m_scale, const CodeMap& vm, const float* vbuf, uint8_t* vcodes,
+                          uint32_t vbits, float* v_scale, size_t len) {
+  const auto ordinary = [](uint32_t bits) { return bits < 0x7F800000u && bits >= 0x00800000u; };
+  if (!ordinary(mbits) || !ordinary(vbits) || !mm.is_signed || vm.is_signed) {
+    *m_scale = quantize_block<L>(mm, mbuf, mcodes, len, mbits);
+    *v_scale = quantize_block<L>(vm, vbuf, vcodes, len, vbits);
+    return;
+  }
+  constexpr size_t W = L::kWidth;
+  const float sm = adam_math::float_of(mbits);
+  const float sv = adam_math::float_of(vbits);
+  const float inv_m = 1.0f / sm;
+  const float inv_v = 1.0f / sv;
+  const typename L::V im = L::set1(inv_m);
+  const typename L::V iv = L::set1(inv_v);
+  size_t j = 0;
+  for (; j + W <= len; j += W) {
+    L::template quantize<true>(mm, mcodes, j, L::mul(L::template load<DType::kF32>(mbuf, j), im));
+    L::template quantize<false>(vm, vcodes, j, L::mul(L::template load<DType::kF32>(vbuf, j), iv));
+  }
+  for (; j < len; ++j) {
+    ScalarLanes<>::quantize(mm, mcodes, j, mbuf[j] * inv_m);
+    ScalarLanes<>::quantize(vm, vcodes, j, vbuf[j] * inv_v);
+  }
+  *m_scale = sm;
+  *v_scale = sv;
+}
+
 // The step over blocks [block_begin, block_end) of b.
 template <class L, DType G, DType O, bool kL2>
 inline void step_blocks(const Adam8bitBuffers& b, const AdamScalars& s, size_t block_begin,
@@ -199,8 +235,8 @@ inline void step_blocks(const Adam8bitBuffers& b, const AdamScalars& s, size_t b
     }
     const uint32_t bits_m = L::reduce_max(max_m);
     const uint32_t bits_v = L::reduce_max(max_v);
-    sm[blk] = quantize_block<L>(mm, mbuf, cm + base, len, bits_m > tail_max_m ? bits_m : tail_max_m);
-    sv[blk] = quantize_block<L>(vm, vbuf, cv + base, len, bits_v > tail_max_v ? bits_v : tail_max_v);
+    quantize_pair<L>(mm, mbuf, cm + base, bits_m > tail_max_m ? bits_m : tail_max_m, sm + blk, vm,
+                     vbuf, cv + base, bits_v > tail_max_v ? bits_v : tail_max_v, sv + blk, len);
   }
 }
 
