@@ -1,10 +1,10 @@
 """What the engine holds, per kind of memory (`engine.memory_bytes()`, docs/engine.md).
 
-device' (compute-device memory: parameter shards on the device tier, gathered full
-buffers, hpZ's node-local copies, buffers), 'host' (CPU memory: parameter shards on the host tier, fp32 master,
-gradient shards, Adam moments — with the optimizer on NVMe only the gradient shards),
-'pinned' (the NVMe staging pool: every byte it holds, in use or idle; host memory too,
-page-locked on a GPU run), 'nvme' (swap files: parameter shards and optimizer states,
+'device' (compute-device memory: parameter shards on the device tier, gathered full
+buffers, hpZ's node-local copies, buffers), 'host' (CPU memory: parameter shards on the host
+tier, fp32 master, gradient shards, Adam moments — with the optimizer on NVMe only the
+gradient shards), 'pinned' (the NVMe staging pool: every byte it holds, in use or idle; host
+memory too, page-locked on a GPU run), 'nvme' (swap files: parameter shards and optimizer states,
 page-rounded). On a CPU run 'device' and 'host' are both main memory, kept apart so the
 split is visible. A storage shared by two tensors counts once.
 """
