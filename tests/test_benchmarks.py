@@ -424,6 +424,28 @@ def test_the_adam_roofline_is_the_best_loop_and_never_below_a_contender():
     assert roof_of({**times, "torch fused": 3.0}) == ("torch fused", 3.0)
 
 
+def test_the_per_round_ratio_is_not_fooled_by_the_machines_bandwidth_phases():
+    """Five rounds: two on a fast machine, two on a slow one, and one in which the machine
+    slowed down between the loop's turn and ours. Within every round but that one, ours runs
+    at 0.98 of the best loop. Then the medians pair the loop's fast phase with our slow one,
+    and the ratio of medians reads 0.49. The per-round ratio reads 0.98."""
+    from benchmarks.bench_adam import BYTES, per_round_vs_limit, roof_of
+
+    fast, slow = 1.0, 2.0
+    loop = [fast, fast, fast, slow, slow]
+    ours = [t / 0.98 for t in (fast, fast, slow, slow, slow)]  # round 2: the slow phase began
+    peer = [t / 0.99 for t in (fast, fast, slow, slow, slow)]
+    samples = {"roof: plain": loop, "ours fp32": ours, "torch fused": peer,
+               "roofline 8bit": loop, "ours 8bit": [t / 0.5 for t in loop]}
+    assert per_round_vs_limit(samples, "ours fp32") == pytest.approx(0.98)
+    assert per_round_vs_limit(samples, "ours 8bit") == pytest.approx(0.5 * BYTES["ours 8bit"] / BYTES["roofline 8bit"])
+    median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+    assert roof_of(median)[1] / median["ours fp32"] == pytest.approx(0.49)
+    # a contender faster than every loop in a round is that round's limit
+    samples["torch fused"] = [0.5 * t for t in loop]  # twice the loop's speed in each round
+    assert per_round_vs_limit(samples, "ours fp32") == pytest.approx(0.49)
+
+
 def test_adam_node_rate_gives_each_rank_its_share_of_the_cores():
     """Issue #35's node view (benchmarks/bench_adam_node.py): two ranks on this node each run
     their shard with the engine's default budget, the cores divided by LOCAL_WORLD_SIZE."""
