@@ -35,13 +35,13 @@ STEPS, GAS, CLIP = 8, 2, 0.05
 NODES, PER_NODE = 2, 2
 
 
-def _config(sharding: ShardingConfig, nvme: str = "", **kw: Any):
+def _config(sharding: ShardingConfig, nvme: str = "", clip: float = CLIP, **kw: Any):
     tiers = (OffloadConfig(param_tier="nvme", optimizer_tier="nvme", nvme_path=nvme) if nvme
              else OffloadConfig())
     # keep_bytes=0: every unit is gathered again for its backward (the re-gather hpZ keeps in
     # the node), so the byte counts follow the arithmetic without the trace's keeping.
     # One step report, at the end, on every rank: the per-step mean over the whole run.
-    return make_config(gas=GAS, clip=CLIP, sharding=sharding, offload=tiers,
+    return make_config(gas=GAS, clip=clip, sharding=sharding, offload=tiers,
                        prefetch=PrefetchConfig(keep_bytes=0),
                        logging=LoggingConfig(steps_per_print=STEPS // GAS, all_ranks=True), **kw)
 
@@ -97,6 +97,9 @@ def _four_ranks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         grad_reduce.average_across_replicas = real  # type: ignore[assignment]
     out["resume"] = _resume(rank, world_size, os.path.join(tmp, "checkpoints"))
     out["window"] = _hsdp_window(rank, world_size)
+    # No clipping: the units update during the boundary's backward, each as soon as its
+    # reduction (which folds the window's sums in and averages across groups) completes.
+    out["hsdp in backward"] = _train(_config(MODES["hsdp"], clip=0.0), rank, world_size)
     return out
 
 
@@ -274,6 +277,15 @@ def test_hsdp_sharded_state_dicts_are_one_copy_through_dcp_and_reshard_exactly(f
     on_disk = four_ranks[0]["resume"]["dcp bytes"]
     print(f"DCP bytes on disk: HSDP 2x2 {on_disk['dcp hsdp']}, full sharding at 4 {on_disk['dcp full']}")
     assert on_disk["dcp hsdp"] <= 1.05 * on_disk["dcp full"], on_disk  # not one copy per group
+
+
+def test_hsdp_with_the_optimizer_in_backward_matches_plain_adamw(four_ranks):
+    """Accumulation without clipping: the boundary's units update during backward, right
+    after their reduction averaged the window's sums across groups ([Note: HSDP averages
+    once per step])."""
+    sd, info = four_ranks[0]["hsdp in backward"]
+    assert info["report"]["optimizer_in_backward_units"] > 0, info["report"]
+    fp32_bound("gpt", GAS, 0.0, STEPS).check(sd, "hsdp 2x2, optimizer in backward")
 
 
 def test_skipping_the_average_across_groups_fails_parity_by_orders_of_magnitude(four_ranks):
