@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import offload.units.collectives as _dist
 from offload.checkpoint import sharded_dict  # DTensor state dicts (torch's DTensor imported on use)
 from offload.checkpoint.shards import CheckpointStaging
+from offload.checkpoint.torch_state_dict import TorchStateDictRoute  # torch's helpers on the module
 from offload.config import Config, load_config
 from offload.dtypes import DTYPES
 from offload.optim.lr_schedules import resolve_scheduler
@@ -124,8 +125,8 @@ class Engine:
         self.module = model
         device_type = _dist.resolve_device(config.compute_device).type
         self.dtype = DTYPES[config.precision.dtype]
-        # The groups first (from torchrun's env they select LOCAL_RANK's GPU, the compute device)
-        self.pg = setup_groups(config, device_type)  # the units' group: HSDP's is its shard group
+        # The groups first (torchrun's env selects LOCAL_RANK's GPU); the units' group: HSDP's shard group
+        self.pg = setup_groups(config, device_type)
         self.device = _dist.resolve_device(config.compute_device)
         self.rank, self.world_size = self.pg.world.rank, self.pg.world.world_size  # every rank
         self.placement_plan = None
@@ -139,7 +140,6 @@ class Engine:
         self._at_exit = drain_at_exit(self)  # a script that ends without close()
         self.residency = DeviceResidency()
         self.checkpoint_staging = CheckpointStaging()  # I/O buffers kept between checkpoints
-
         check_weights_present(model)
         check_monitors(config.monitors)  # a missing library fails here, before the build
         # offload.checkpointing's default while this engine's forward runs (runtime/activations.py)
@@ -175,14 +175,14 @@ class Engine:
             counters=self.policy.counters, schedule=self.policy.schedule, placement=built.placement,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
-        self._register_hooks()  # then a DTensor load refused before the gathering's hooks run:
-        self._hooks.append(model.register_load_state_dict_pre_hook(sharded_dict.refuse_dtensor_load))
+        self._register_hooks()  # then torch's state-dict helpers' hooks, before the gathering's:
+        route = TorchStateDictRoute(model, self.sharded_state, self._hooks)
         self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks,
                                    self.residency)
         self.health = Health(self.policy, self.gather, self.backward_tracker, self.gathering, self.residency,
                              self.param_tier, self.optimizer.store, self.nvme)  # EngineState, checks
-        # HF generate() then keeps every rank's forwards in step ([Note: generation in step]).
-        self._marked_generation = mark_synced_generation(model, self.world_size)
+        route.attach(self.gathering, self.health)
+        self._marked_generation = mark_synced_generation(model, self.world_size)  # [Note: generation in step]
         self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
         self.reporter.log_built()
         LIVE_ENGINES.add(self)  # built: zero.GatheredParameters / safe_get_* may find it

@@ -151,15 +151,26 @@ def _load_phase(rank: int, world_size: int, ckpt: str, tier_dir: str | None, nat
 
 def _get_set_model_state_dict(rank: int, world_size: int) -> dict:
     """torch's get_model_state_dict / set_model_state_dict on the engine's module."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                          set_model_state_dict)
 
     engine = _build(0, None, rank)
     _train(engine, 0, 1, rank, world_size)
-    got = get_model_state_dict(engine.module)
     full = engine.full_state_dict(rank0_only=False)
-    out = {"full_on_every_rank": all(not isinstance(v, DTensor) and torch.equal(v, full[k])
-                                     for k, v in got.items()) and list(got) == list(full)}
-    set_model_state_dict(engine.module, {k: v + 1 for k, v in got.items()})
+    sharded = engine.sharded_state_dict()
+    gathers = []
+    hold = engine.gathering._hold  # counts the units gathered for the traversal
+    engine.gathering._hold = lambda units, kind: gathers.append(tuple(units)) or hold(units, kind)
+    got = get_model_state_dict(engine.module)
+    engine.gathering._hold = hold
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in got.items()}
+    out = {"gathers": gathers, "keys": list(got) == list(sharded),
+           "dtensors": sum(isinstance(v, DTensor) for v in got.values()),
+           "as_sharded": _same(local, {k: v.to_local() if isinstance(v, DTensor) else v for k, v in sharded.items()})}
+    whole = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["whole_on_rank0"] = _same(whole, {k: v.float() for k, v in full.items()}) if rank == 0 else whole == {}
+    out["plain_state_dict_is_full"] = _same(engine.module.state_dict(), full)  # module.state_dict() unchanged
+    set_model_state_dict(engine.module, {k: v + 1 for k, v in full.items()})
     out["set_full"] = all(torch.equal(v, full[k] + 1) for k, v in engine.full_state_dict(rank0_only=False).items())
     try:
         set_model_state_dict(engine.module, engine.sharded_state_dict())
@@ -189,17 +200,41 @@ def test_model_only_is_one_copy_on_disk(tmp_path):
 
 
 def test_torch_get_set_model_state_dict():
-    """get_model_state_dict(engine.module) works as module.state_dict() does: the full
-    tensors, gathered on every rank (the whole model per rank: what sharded_state_dict
-    avoids); set_model_state_dict takes full tensors, and refuses DTensors on every rank
-    with the way to load them (before: one rank failed inside torch, the other hung)."""
+    """[Note: torch's state-dict helpers on the engine's module]: get_model_state_dict
+    (engine.module) is the sharded dict (DTensors at world size 2: each rank's Shard(0) rows),
+    with no unit gathered for it; with full_state_dict and cpu_offload torch gathers it to
+    full tensors on rank 0 only, as for FSDP2; module.state_dict() stays full.
+    set_model_state_dict takes full tensors, and refuses DTensors on every rank with the way
+    to load them (before: one rank failed inside torch, the other hung)."""
     for r, out in enumerate(run_distributed(_get_set_model_state_dict, 2)):
-        assert out["full_on_every_rank"], r
+        assert out["gathers"] == [], (r, out["gathers"])
+        assert out["keys"] and out["as_sharded"] and out["dtensors"] > 0, (r, out)
+        assert out["whole_on_rank0"], r
+        assert out["plain_state_dict_is_full"], r
         assert out["set_full"], r
         assert out["set_sharded"].startswith("TypeError: load_state_dict got DTensors"), out
         assert "engine.load_sharded_state_dict(sd)" in out["set_sharded"]
-        assert out["after"], r
 
+
+
+def test_torch_get_model_state_dict_at_world_size_1():
+    """Without a process group the sharded dict holds plain tensors (the rank's share is the
+    whole); torch's helper still gets it without a gather, and the full option agrees."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    engine = _build(0, None)
+    _train(engine, 0, 1, 0, 1)
+    full = engine.full_state_dict(rank0_only=False)
+    gathers = []
+    hold = engine.gathering._hold
+    engine.gathering._hold = lambda units, kind: gathers.append(tuple(units)) or hold(units, kind)
+    got = get_model_state_dict(engine.module)
+    engine.gathering._hold = hold
+    assert gathers == []
+    assert _same(got, engine.sharded_state_dict())
+    whole = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert _same(whole, {k: v.float() for k, v in full.items()})
+    engine.close()
 
 # -- another world size: DCP re-shards, the engine takes its range -------------------------------
 

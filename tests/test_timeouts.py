@@ -35,13 +35,14 @@ MARGIN_S = 30.0  # the gloo timeout fires on time; the margin is for two busy co
 
 SCRIPT = r"""
 import os, signal, sys, time, torch, offload
-from offload.config import Config, OffloadConfig, OptimizerConfig
+from offload.config import Config, OffloadConfig, OptimizerConfig, ShardingConfig
 from tests.conftest import TinyGPT, gpt_batches
 
-nvme, timeout_s = sys.argv[1], float(sys.argv[2])
+nvme, timeout_s, group = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 config = Config(compute_device="cpu", optimizer=OptimizerConfig(lr=2e-3), collective_timeout_s=timeout_s,
-                offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme", nvme_path=nvme))
+                offload=OffloadConfig(param_tier="nvme", optimizer_tier="nvme", nvme_path=nvme),
+                sharding=ShardingConfig(shard_group_size=group))
 engine = offload.initialize(TinyGPT(n_layer=3), config)
 r, n = engine.rank, engine.world_size
 try:
@@ -50,7 +51,7 @@ try:
             mine = sorted(f for f in os.listdir(os.path.join(nvme, "offload-swap"))
                           if f.startswith(f"rank{r}.") and f.endswith(".swap"))
             print("STOPPING", time.time(), ",".join(mine), flush=True)
-            if r == 1:
+            if r == n - 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
         b = x.shape[0] // n
         engine.backward(engine(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]))
@@ -81,7 +82,7 @@ def test_a_stopped_rank_fails_the_other_within_the_timeout_naming_rank_and_colle
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, nvme, str(TIMEOUT_S)], env=env, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, nvme, str(TIMEOUT_S), "0"], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         out, _ = procs[0].communicate(timeout=180)
@@ -154,3 +155,42 @@ def test_waiting_an_async_collective_raises_the_clear_error_with_torchs_as_cause
     with pytest.raises(RuntimeError) as info2:
         _CheckedWork(_Failing(other), "all-gather", pg).wait()  # type: ignore[arg-type]
     assert info2.value is other
+
+
+def test_at_4_ranks_as_2_nodes_a_stopped_rank_fails_every_other_rank(tmp_path):
+    """The same at world size 4 under HSDP (2 "nodes" of 2: shard groups {0, 1} and {2, 3},
+    replicate groups {0, 2} and {1, 3}). Rank 3 stops; ranks 0-2 each fail with the clear
+    error within the timeout, wherever their wait was (the shard group, the replicas, or a
+    peer itself stuck waiting), and exit with their swap files deleted. A rank that waited on
+    rank 3 directly names it."""
+    nvme, world = str(tmp_path), 4
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2"}
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT, nvme, str(TIMEOUT_S), "2"], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    errors = []
+    try:
+        for rank in range(world - 1):
+            out, _ = procs[rank].communicate(timeout=150)
+            assert procs[rank].returncode == 1, f"rank {rank} exited {procs[rank].returncode}:\n{out[-3000:]}"
+            stopping, failed = _stamp(out, "STOPPING"), _stamp(out, "FAILED")
+            assert failed[2] == "CollectiveTimeoutError", out[-3000:]
+            waited_s = float(failed[1]) - float(stopping[1])
+            assert waited_s <= TIMEOUT_S + MARGIN_S, f"rank {rank} failed {waited_s:.1f} s after the stop"
+            error = [line for line in out.splitlines() if "CollectiveTimeoutError:" in line][-1]
+            for words in (f"rank {rank}", "did not answer", "collective_timeout_s=5 s"):
+                assert words in error, (rank, words, error)
+            errors.append(error)
+            assert _swap_files(nvme, rank) == [], (rank, _swap_files(nvme, rank))
+        assert any("rank 3 did not answer" in e for e in errors), errors
+        assert _swap_files(nvme, world - 1), "rank 3 is stopped, its files are still there"
+    finally:
+        os.kill(procs[-1].pid, signal.SIGCONT)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=60)

@@ -107,6 +107,9 @@ class Gathering:
         """id(parameter view) -> (unit index, slot index)."""
         self.forwards = 0
         """Root forwards running (nested: a recomputation inside backward)."""
+        self.gathers_for_state_dict = True
+        """`module.state_dict()` gathers each unit for its full tensors; False while torch's
+        get_model_state_dict traverses (offload/checkpoint/torch_state_dict.py)."""
         self.contexts = 0
         """`engine.gathered` contexts open."""
         self._calls: list[Optional[_Frame]] = []
@@ -431,7 +434,9 @@ class Gathering:
     def _state_dict_pre(self, units: tuple[int, ...], module: nn.Module, prefix: str,
                         keep_vars: bool) -> None:
         frame = _Frame(module)
-        if not keep_vars:  # keep_vars=True asks for the live parameters: the views themselves
+        # keep_vars=True asks for the live parameters: the views themselves; and torch's
+        # get_model_state_dict gets the sharded dict instead (checkpoint/torch_state_dict.py)
+        if not keep_vars and self.gathers_for_state_dict:
             frame.units = units
             frame.ours = self._held_or_unwind("state_dict", units, Hold.READ)
         self._frames["state_dict"].append(frame)

@@ -28,12 +28,22 @@ shape, dimension names) for the life of the world group they were made in, and e
 engine of that shape uses the same subgroups: every rank asks for the same meshes in the
 same order, so every rank finds the same ones. A cached mesh whose world group was
 destroyed (the user's `destroy_process_group`, then a new `init_process_group`) is made anew.
+
+[Note: the subgroups' timeout]
+torch gives a new group its backend's default timeout (30 minutes for gloo), not the world
+group's. So under HSDP or hpZ a stopped rank left the ranks waiting on it in a subgroup for
+half an hour, whatever `collective_timeout_s` said (a 4-rank test found it). The mesh's
+groups are made with the world's timeout when offload started the world group
+(`ProcessGroupInfo.timeout_s`), through `init_device_mesh`'s per-dimension backend options.
+For a group the user started, torch's defaults apply to the subgroups too. The NCCL branch
+has not been run (no GPU here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import datetime
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -47,22 +57,36 @@ if TYPE_CHECKING:
 
 __all__ = ["setup_groups", "sharding_mode"]
 
-_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[object, "DeviceMesh"]] = {}
-"""(device type, shape, names) -> (the world group it was made in, the mesh): [Note: one
-mesh per shape]."""
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...], Optional[float]], tuple[object, "DeviceMesh"]] = {}
+"""(device type, shape, names, timeout) -> (the world group it was made in, the mesh):
+[Note: one mesh per shape]."""
 
 
-def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
-    """torch's `init_device_mesh`, made once per shape in this world group."""
+def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+          timeout_s: Optional[float]) -> "DeviceMesh":
+    """torch's `init_device_mesh`, made once per shape in this world group, its subgroups
+    with the world's collective timeout ([Note: the subgroups' timeout])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (device_type, shape, names)
+    key = (device_type, shape, names, timeout_s)
     cached = _MESHES.get(key)
     if cached is not None and cached[0] is dist.group.WORLD:
         return cached[1]
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    override = None if timeout_s is None else {name: _timed_backend(device_type, timeout_s) for name in names}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
     _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
+
+
+def _timed_backend(device_type: str, timeout_s: float) -> tuple[str, Any]:
+    """(backend, its options with `timeout_s`) for one mesh dimension's groups: NCCL's on a
+    GPU, gloo's otherwise."""
+    if device_type == "cuda" and hasattr(dist, "ProcessGroupNCCL"):
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return backend, options
 
 
 def sharding_mode(sharding: ShardingConfig, world_size: int, ranks_per_node: int) -> ShardingMode:
@@ -102,7 +126,7 @@ def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
 
     if mode is ShardingMode.HSDP:
         s = config.sharding.shard_group_size
-        mesh = _mesh(device_type, (world.world_size // s, s), ("replicate", "shard"))
+        mesh = _mesh(device_type, (world.world_size // s, s), ("replicate", "shard"), world.timeout_s)
         shard_groups, replicate_groups = hsdp_groups(world.world_size, s)
         shard = sub(mesh.get_group("shard"))
         hybrid = HybridGroups(
@@ -111,7 +135,7 @@ def setup_groups(config: Config, device_type: str) -> ProcessGroupInfo:
             replicate_ranks=replicate_groups[me % s], mesh=mesh)
         return dataclasses.replace(shard, hybrid=hybrid)
     size = config.sharding.hpz_partition_size
-    mesh = _mesh(device_type, (world.world_size // size, size), ("across", "within"))
+    mesh = _mesh(device_type, (world.world_size // size, size), ("across", "within"), world.timeout_s)
     hybrid = HybridGroups(
         mode=mode, world=world, world_rank=me, shard_ranks=everyone, ranks_per_node=per_node,
         node=sub(mesh.get_group("within")), node_ranks=node_groups(world.world_size, size)[me // size],
