@@ -62,6 +62,7 @@ def _train(cfg, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], di
     device.append(engine.memory_bytes()["device"])
     info: dict[str, Any] = {"mode": None if hybrid is None else hybrid.mode,
                             "device before and after the last step": device[-2:],
+                            "wear": None if engine.reporter.wear is None else engine.reporter.wear.as_dict(),
                             "subgroups": None if hybrid is None or hybrid.mesh is None else
                             [id(hybrid.mesh.get_group(d)) for d in hybrid.mesh.mesh_dim_names],
                             "shard_numel": [u.layout.shard_numel for u in engine.units],
@@ -353,6 +354,18 @@ def test_memory_bytes_counts_hpz_copies_until_the_update_drops_them(name, four_r
         before, after = info["device before and after the last step"]
         copies = sum(n * NODES for n in info["shard_numel"]) * 4 if name == "hpz" else 0
         assert before - after == copies, (rank, before, after, copies)
+
+
+@pytest.mark.parametrize("name", ["hsdp nvme", "hpz nvme"])
+def test_swap_bytes_per_step_at_4_ranks_are_initializes_estimate(name, four_ranks):
+    """Issue #34's per-node swap figures at world size 4 (2 ranks per node): each rank's
+    measured swap bytes per step equal `initialize`'s estimate, the node's are twice them."""
+    for rank in range(NODES * PER_NODE):
+        info = four_ranks[rank][name][1]
+        wear, report = info["wear"], info["report"]
+        assert wear is not None and wear["node_ranks"] == PER_NODE, (rank, wear)
+        assert report["swap_written_bytes"] == pytest.approx(wear["rank_bytes_per_step"]), (rank, report, wear)
+        assert report["node_swap_written_bytes"] == pytest.approx(PER_NODE * report["swap_written_bytes"])
 
 
 def test_later_engines_of_a_shape_reuse_its_subgroups(four_ranks):

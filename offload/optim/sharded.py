@@ -192,9 +192,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._staging_next = 0
         self._upload_stream: Optional[torch.cuda.Stream] = None
         self._work = [
-            i for i, st in enumerate(self.unit_states) if st.layout.has_optimized
+            i for i, st in enumerate(self.unit_states) if st.layout.shard_optimized_numel(self.rank) > 0
         ]
-        """Units with something to optimize, in order (fixed by the layout)."""
+        """Units with something to optimize in this rank's shard, in order (fixed by the layout).
+        A unit whose shard here is all frozen parameters or padding is never read, updated or
+        written back on this rank: nothing in it changes (before, its state was rewritten each
+        step, bytes on the drive for nothing)."""
         self._work_set = frozenset(self._work)
         self._fill_initial_state()
 

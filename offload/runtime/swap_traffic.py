@@ -50,8 +50,8 @@ def bytes_written_per_step(state: ShardedState) -> int:
     written = 0
     for lay, p_disk, s_disk in zip(layouts, placement.param_on_nvme, placement.state_on_nvme):
         master = lay.shard_master_numel(rank)
-        if lay.optimized_numel == 0:
-            continue  # frozen: never updated, never written back
+        if lay.shard_optimized_numel(rank) == 0:
+            continue  # nothing optimized in this rank's shard (frozen, padding): never written back
         if p_disk:
             written += align_up(lay.shard_numel * itemsize) if master == lay.shard_numel else master * itemsize
         if s_disk:
