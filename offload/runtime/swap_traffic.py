@@ -1,9 +1,10 @@
 """The swap bytes a step moves, for the user who weighs them against a drive's endurance.
 
 An SSD is rated for so many terabytes written (TBW) over its life. With a tier on NVMe,
-every optimizer step rewrites what the step updated: each trainable unit's parameter shard
-on disk (after its update) and each unit's optimizer state on disk (fp32 master and
-moments). So the bytes written per step are fixed by the layout, and `initialize` can say
+every optimizer step rewrites what the step updated: the parameter shard on disk of each unit
+with something optimized in this rank's shard (after its update), and that unit's optimizer
+state on disk (fp32 master and moments). A rank whose shard of a unit is all padding or
+frozen parameters writes nothing for it. So the bytes written per step are fixed by the layout, and `initialize` can say
 once, per node, how many terabytes 1,000 steps write (`wear_estimate`); the step report then
 shows what was measured (`SwapMeter`: the NVMe tiers' I/O counters, `IOStats`, per step
 since the previous report). Reads do not wear a drive; the report shows them beside.

@@ -72,7 +72,8 @@ def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
     cached = _MESHES.get(key)
     if cached is not None and cached[0] is dist.group.WORLD:
         return cached[1]
-    override = None if timeout_s is None else {name: _timed_backend(device_type, timeout_s) for name in names}
+    override: Optional[dict[Any, Any]] = (
+        None if timeout_s is None else {name: _timed_backend(device_type, timeout_s) for name in names})
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
     _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
@@ -84,7 +85,7 @@ def _timed_backend(device_type: str, timeout_s: float) -> tuple[str, Any]:
     if device_type == "cuda" and hasattr(dist, "ProcessGroupNCCL"):
         backend, options = "nccl", dist.ProcessGroupNCCL.Options()
     else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+        backend, options = "gloo", getattr(dist.ProcessGroupGloo, "_Options")()  # untyped in torch's stubs
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
 
