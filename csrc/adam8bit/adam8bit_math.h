@@ -128,12 +128,18 @@ inline void update_lanes(const Arrays& a, const Consts<L>& k, typename L::V scal
   max_v = L::max_abs_bits(max_v, v);
 }
 
+// A block's absmax (as bits) that gives it a scale: finite and normal. A zero, subnormal or
+// non-finite block stores the zero code ([Note: 8-bit moments] in adam8bit.h).
+inline bool ordinary_absmax(uint32_t max_abs_bits) {
+  return max_abs_bits < 0x7F800000u && max_abs_bits >= 0x00800000u;
+}
+
 // Pass 2: the codes of buf[0, len) and the block's scale (returned), [Note: 8-bit moments].
 template <class L>
 inline float quantize_block(const CodeMap& map, const float* buf, uint8_t* codes, size_t len,
                             uint32_t max_abs_bits) {
   constexpr size_t W = L::kWidth;
-  if (max_abs_bits >= 0x7F800000u || max_abs_bits < 0x00800000u) {
+  if (!ordinary_absmax(max_abs_bits)) {
     std::memset(codes, map.zero_code, len);
     return max_abs_bits >= 0x7F800000u ? adam_math::float_of(0x7FC00000u) : 0.0f;
   }
@@ -167,8 +173,7 @@ template <class L>
 inline void quantize_pair(const CodeMap& mm, const float* mbuf, uint8_t* mcodes, uint32_t mbits,
                           float* m_scale, const CodeMap& vm, const float* vbuf, uint8_t* vcodes,
                           uint32_t vbits, float* v_scale, size_t len) {
-  const auto ordinary = [](uint32_t bits) { return bits < 0x7F800000u && bits >= 0x00800000u; };
-  if (!ordinary(mbits) || !ordinary(vbits) || !mm.is_signed || vm.is_signed) {
+  if (!ordinary_absmax(mbits) || !ordinary_absmax(vbits) || !mm.is_signed || vm.is_signed) {
     *m_scale = quantize_block<L>(mm, mbuf, mcodes, len, mbits);
     *v_scale = quantize_block<L>(vm, vbuf, vcodes, len, vbits);
     return;

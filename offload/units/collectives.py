@@ -251,8 +251,12 @@ def lost_peer_error(what: str, pg: ProcessGroupInfo, exc: BaseException) -> Coll
     names are the world's (a subgroup's members by `pg.ranks`)."""
     members = pg.ranks or tuple(range(pg.world_size))
     others = [r for i, r in enumerate(members) if i != pg.rank]
-    peers = (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
-             if not pg.ranks else "one of ranks " + ", ".join(map(str, others)))
+    if len(others) == 1:
+        peers = f"rank {others[0]}"
+    elif pg.ranks:  # a subgroup's members need not be consecutive
+        peers = "one of ranks " + ", ".join(map(str, others))
+    else:
+        peers = f"one of ranks {others[0]}..{others[-1]}"
     who = (f"rank {pg.rank} of {pg.world_size}" if not pg.ranks
            else f"rank {members[pg.rank]} (in the group of ranks {', '.join(map(str, members))})")
     limit = (f"collective_timeout_s={pg.timeout_s:g} s" if pg.timeout_s is not None
