@@ -23,6 +23,9 @@ Contenders (same GPT model and batches, one training step per sample, interleave
 - engine_worker_on / engine_worker_off (with --compare-worker): the engine row with
              prefetch.optimizer_worker forced on / off (the updates during backward on a
              thread of their own, or on autograd's; "auto", the engine row, is off on the CPU)
+- engine_unguarded (with --compare-guard): the engine row with nonfinite_loss off: its
+             updates run during backward with no non-finite check (the engine row's guard
+             runs them at step(): offload/runtime/optimizer_step.py)
 - engine_stage2: offload at ZeRO stage 2 (zero_stage=2: parameters whole and resident on the
              compute device, optimizer state on the CPU: ZeRO-Offload); at world size 1 on
              the CPU it is the `engine` row (every unit is aliased to its shard)
@@ -272,7 +275,7 @@ def build_contenders(args, make_model, batch, device,
 
     def engine_setup(
         param_tier: str = "cpu", optimizer_tier: str = "cpu", name: str = "engine", prefetch: bool = True,
-        stage: int = 3, wrap=None, worker: str = "auto",
+        stage: int = 3, wrap=None, worker: str = "auto", guard: str = "skip",
     ):
         import offload
         from offload.config import (
@@ -300,6 +303,7 @@ def build_contenders(args, make_model, batch, device,
             ),
             timeline=TimelineConfig(enabled=bool(args.timeline)),
             zero_stage=stage,
+            nonfinite_loss=guard,
         )
         engine = offload.initialize(make_model() if wrap is None else wrap(make_model()), cfg)
         engine.bench_name = name
@@ -404,6 +408,10 @@ def build_contenders(args, make_model, batch, device,
         add("engine_worker_off", lambda: engine_setup(name="engine_worker_off", worker="off"))
     else:
         dropped["engine_worker_on"] = dropped["engine_worker_off"] = "skipped (no --compare-worker)"
+    if args.compare_guard:  # the non-finite guard off: updates during backward, unguarded
+        add("engine_unguarded", lambda: engine_setup(name="engine_unguarded", guard="off"))
+    else:
+        dropped["engine_unguarded"] = "skipped (no --compare-guard)"
     if not args.no_nvme:
         add("engine_nvme_opt", lambda: engine_setup("cpu", "nvme", "engine_nvme_opt"))
         add("engine_nvme_all", lambda: engine_setup("nvme", "nvme", "engine_nvme_all"))
@@ -474,6 +482,9 @@ def main() -> None:
                    help="add engine_nvme_all_nopf: NVMe tiers with prefetch/keep/optimizer-in-backward off")
     p.add_argument("--compare-worker", action="store_true",
                    help="add engine_worker_on / engine_worker_off: prefetch.optimizer_worker forced on and off")
+    p.add_argument("--compare-guard", action="store_true",
+                   help="add engine_unguarded: nonfinite_loss off (the updates during backward, "
+                        "no non-finite check) against the engine row's guard")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="record the engines' timelines; write PREFIX-<contender>.json (Chrome trace)")
     args = p.parse_args()

@@ -284,10 +284,11 @@ class Engine:
         if not self.policy.is_boundary():
             self.gather.prefetch_next_iteration()  # the next micro-batch sees the same shards
 
-    def _abort_backward(self) -> None:
+    def _abort_backward(self, cause: Optional[BaseException] = None) -> None:
         self.policy.abort_backward()  # the worker's updates end first; the backward's own error is raised
         self.gather.abort()
-        self.backward_tracker.abort()
+        if not self.backward_tracker.abort() and cause is not None:
+            self.policy.lose_window(cause)  # the next step() refuses until zero_grad()
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -325,8 +326,10 @@ class Engine:
             # gradients of earlier micro-batches. If it had already updated units
             # (optimizer in backward), the step is part-applied: the engine fails.
             partial = self.backward_tracker.active and self.policy.pass_updates > 0
-            self._abort_backward()
-            if partial:
+            self._abort_backward(exc)
+            if partial or isinstance(exc, OSError):
+                # Part of the step applied, or the disk under the tiers failed: the same
+                # FAILED path as an error during step() (docs/nvme.md).
                 self.health.fail(exc)
             raise
         self._finish_backward()
@@ -343,6 +346,9 @@ class Engine:
         engine enters EngineState.FAILED: load a checkpoint to go on."""
         self.health.check_ready("engine.step")
         self._finish_backward()
+        if self.policy.no_gradient():
+            return  # not counted: warned once
+        self.policy.check_window("engine.step()")  # a failed backward left part-added sums
         boundary = self.policy.end_micro_batch()  # counts it (and the backward passes it ran)
         if not boundary:
             return
@@ -506,6 +512,7 @@ class Engine:
         from offload.checkpoint import save_checkpoint
 
         self.health.check_ready("engine.save_checkpoint")
+        self.policy.check_window("engine.save_checkpoint")  # the real cause, not "between micro-batches"
         return save_checkpoint(self.sharded_state, save_dir, tag, client_state, staging=self.checkpoint_staging)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None,

@@ -590,6 +590,94 @@ def test_torn_checkpoints_are_detected(saved):
         engine.load_checkpoint(ckdir, tag="t")
 
 
+def _edit_manifest(path, edit, rechecksum: bool = False) -> None:
+    """Rewrite `path`'s manifest.json as `edit(manifest)` leaves it (valid JSON); with
+    `rechecksum`, its checksum made to match again (a careful hand edit)."""
+    import json
+
+    from offload.checkpoint import manifest
+
+    file = os.path.join(path, "manifest.json")
+    with open(file) as f:
+        data = json.load(f)
+    data = edit(data) or data
+    if rechecksum:
+        data[manifest.CHECKSUM_KEY] = manifest._canonical_crc(data)
+    with open(file, "w") as f:
+        json.dump(data, f)
+
+
+def _cut(key: str):
+    def edit(m):
+        m["model"][key] = m["model"][key][:-1]
+    return edit
+
+
+# Damage that still parses as JSON (issue #43, item 4); each was an IndexError, KeyError,
+# TypeError or "a different model" from inside the loader before the manifest had a checksum.
+MANIFEST_DAMAGE = {
+    "a digit changed": lambda m: m["model"]["units"][1]["slots"][0].__setitem__(
+        "offset", m["model"]["units"][1]["slots"][0]["offset"] + 10),
+    "world size changed": lambda m: m.__setitem__("world_size", 2),
+    "a key renamed": lambda m: m.__setitem__("rankz", m.pop("ranks")),
+    "the units list cut short": _cut("units"),
+    "the state-dict list cut short": _cut("state_dict"),
+    "a number as a string": lambda m: m.__setitem__("chunk_bytes", str(m["chunk_bytes"])),
+    "a tensor record emptied": lambda m: m["ranks"][0]["shards"]["tensors"].__setitem__(0, {}),
+    "the checksum removed": lambda m: m.pop("manifest_crc32"),
+    "a list for the manifest": lambda m: [m],
+}
+
+
+@pytest.mark.parametrize("kind", MANIFEST_DAMAGE)
+def test_a_damaged_manifest_is_named(saved, kind):
+    ckdir, path, _ = saved
+    _edit_manifest(path, MANIFEST_DAMAGE[kind])
+    engine = build("bf16")
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.json.*(damaged|not an offload)"):
+        engine.load_checkpoint(ckdir)
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.json"):
+        consolidate(str(path), str(ckdir / "out.pt"))
+    after = engine.full_state_dict()  # nothing loaded: the engine is as it was
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", ["a key renamed", "the units list cut short", "a tensor record emptied",
+                                  "a number as a string"])
+def test_manifest_fields_are_checked_without_the_checksum(saved, kind):
+    """A manifest whose checksum matches its damage (or a version-2 one, which has none):
+    the fields the loader indexes are checked on their own."""
+    ckdir, path, _ = saved
+    _edit_manifest(path, MANIFEST_DAMAGE[kind], rechecksum=True)
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.json.* is damaged: .*"):
+        build("bf16").load_checkpoint(ckdir)
+
+
+def test_a_version_2_manifest_without_a_checksum_still_loads(saved):
+    ckdir, path, sd = saved
+    def as_version_2(m):
+        del m["manifest_crc32"]
+        m["version"] = 2
+
+    _edit_manifest(path, as_version_2)
+    engine = build("bf16")
+    engine.load_checkpoint(ckdir)
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    engine.close()
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"\xff\xfe\x00", b"../t", b"nope", b"t\nt"])
+def test_a_damaged_latest_is_named(saved, content):
+    ckdir, _, _ = saved
+    with open(ckdir / "latest", "wb") as f:
+        f.write(content)
+    with pytest.raises(CheckpointCorruptError, match=r"latest' is damaged.*tags present as tag=.*\['t'\]"):
+        build("bf16").load_checkpoint(ckdir)
+
+
 def test_missing_rank_file_is_named(saved):
     ckdir, path, _ = saved
     os.unlink(os.path.join(path, "rank00000.shards"))

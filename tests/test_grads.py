@@ -52,6 +52,7 @@ CLIP = 0.05  # below the norms of this model and data: clipping is active (check
 
 
 def _config(dtype: str = "fp32", gas: int = GAS, clip: float = 0.0, in_backward: bool = True, **kw: Any):
+    kw.setdefault("nonfinite_loss", "off" if in_backward else "skip")  # the guard updates at step()
     return make_config(dtype=dtype, gas=gas, clip=clip,
                        prefetch=PrefetchConfig(optimizer_in_backward=in_backward), **kw)
 

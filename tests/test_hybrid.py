@@ -100,7 +100,7 @@ def _four_ranks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["window"] = _hsdp_window(rank, world_size)
     # No clipping: the units update during the boundary's backward, each as soon as its
     # reduction (which folds the window's sums in and averages across groups) completes.
-    out["hsdp in backward"] = _train(_config(MODES["hsdp"], clip=0.0), rank, world_size)
+    out["hsdp in backward"] = _train(_config(MODES["hsdp"], clip=0.0, nonfinite_loss="off"), rank, world_size)
     return out
 
 

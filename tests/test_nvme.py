@@ -582,7 +582,7 @@ def test_an_io_error_fails_its_step_and_a_checkpoint_load_recovers(tmp_path):
     x, y = batches[6]
     for what, call in (("the model's forward", lambda: engine(x, y)), ("engine.step", engine.step),
                        ("engine.save_checkpoint", lambda: engine.save_checkpoint(str(tmp_path / "ck2")))):
-        with pytest.raises(RuntimeError, match=f"{re.escape(what)}: an earlier optimizer step failed part-way "
+        with pytest.raises(RuntimeError, match=f"{re.escape(what)}: an earlier optimizer step or backward failed part-way "
                            r"\(OSError: \[Errno 27\].*load_checkpoint"):
             call()
     assert engine.state is EngineState.FAILED

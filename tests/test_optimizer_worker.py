@@ -33,7 +33,8 @@ def cfg(worker: str, param_tier: str = "cpu", dtype: str = "fp32", stage: int = 
                   optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.01),
                   precision=PrecisionConfig(dtype=dtype),
                   offload=OffloadConfig(param_tier=param_tier),
-                  prefetch=PrefetchConfig(optimizer_worker=worker))
+                  prefetch=PrefetchConfig(optimizer_worker=worker),
+                  nonfinite_loss="off")  # the worker runs the updates during backward: guard off
 
 
 def train(config: Config, steps: int = 3, rank: int = 0, world_size: int = 1, spy: bool = False):

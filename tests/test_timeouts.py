@@ -194,3 +194,94 @@ def test_at_4_ranks_as_2_nodes_a_stopped_rank_fails_every_other_rank(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=60)
+
+
+# -- a rank's uncaught exception ends the job in seconds (issue #43, item 3) -------------------
+
+RAISE_SCRIPT = r"""
+import os, sys, time, torch, offload
+from offload.config import Config, OptimizerConfig
+from tests.conftest import TinyGPT, gpt_batches
+
+torch.manual_seed(0)
+# the default collective_timeout_s (1800 s): the exit must not depend on it
+engine = offload.initialize(TinyGPT(n_layer=3), Config(compute_device="cpu", optimizer=OptimizerConfig(lr=2e-3)))
+r, n = engine.rank, engine.world_size
+try:
+    for i, (x, y) in enumerate(gpt_batches(6)):
+        if i == 2 and r == n - 1:
+            print("RAISING", time.time(), flush=True)
+            raise ValueError("a bad batch")  # uncaught: the process ends on it
+        b = x.shape[0] // n
+        engine.backward(engine(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]))
+        engine.step()
+except ValueError:
+    raise
+except Exception as exc:
+    print("FAILED", time.time(), type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+    raise
+"""
+EXIT_WITHIN_S = 10.0
+"""The issue's bound: the raising rank is gone within 10 s of its raise."""
+
+
+def _raise_times(out: str, word: str) -> list[float]:
+    return [float(line.split(" ")[1]) for line in out.splitlines() if line.startswith(word + " ")]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_ranks_uncaught_exception_ends_every_rank_in_seconds(tmp_path, world_size):
+    """Before (1750db6) the raising rank sat in the exit-time barrier of the group offload
+    started (its peers were in a gather), for collective_timeout_s: 30 minutes."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+        procs.append(subprocess.Popen([sys.executable, "-c", RAISE_SCRIPT], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs, exited = [""] * world_size, [0.0] * world_size
+    try:
+        deadline = time.monotonic() + 240
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if p.poll() is not None and not exited[i]:
+                    exited[i] = time.time()
+            time.sleep(0.05)
+        for i, p in enumerate(procs):
+            if p.poll() is not None and not exited[i]:
+                exited[i] = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for i, p in enumerate(procs):
+            outs[i] = p.communicate(timeout=60)[0]
+    last = world_size - 1
+    raised = _raise_times(outs[last], "RAISING")
+    assert raised, outs[last][-3000:]
+    assert all(exited), [p.returncode for p in procs]  # every rank ended (none killed by the test)
+    assert exited[last] - raised[0] <= EXIT_WITHIN_S, f"the raising rank took {exited[last] - raised[0]:.1f} s"
+    assert "ValueError: a bad batch" in outs[last]
+    for rank in range(last):
+        assert procs[rank].returncode == 1, (rank, procs[rank].returncode, outs[rank][-3000:])
+        failed = [line for line in outs[rank].splitlines() if line.startswith("FAILED ")]
+        assert failed and "closed its connection" in failed[0], outs[rank][-3000:]
+        assert exited[rank] - raised[0] <= EXIT_WITHIN_S + MARGIN_S, (rank, exited[rank] - raised[0])
+
+
+def test_under_torchrun_a_ranks_uncaught_exception_ends_the_job_in_seconds(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RAISE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                           "--master-port", str(free_port()), str(script)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    raised = _raise_times(proc.stdout, "RAISING")
+    assert raised and proc.returncode != 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert ended - raised[0] <= EXIT_WITHIN_S + MARGIN_S, f"torchrun ended {ended - raised[0]:.1f} s after the raise"
+    assert "a bad batch" in proc.stderr + proc.stdout
+    assert ended - start < 240

@@ -78,10 +78,24 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
         )
     present = list_tags(load_dir)
     if tag is None:
+        from offload.checkpoint.shards import CheckpointCorruptError
+
         latest = os.path.join(load_dir, LATEST)
         try:
-            with open(latest) as f:
-                tag = f.read().strip()
+            with open(latest, "rb") as f:
+                raw = f.read()
+            tag = raw.decode().strip()
+            if not tag or "\n" in tag:
+                raise ValueError("no tag" if not tag else "several lines")
+            check_tag(tag)
+            if not os.path.isfile(os.path.join(load_dir, tag, MANIFEST)):
+                raise ValueError(f"it names {tag!r}, which is no complete checkpoint here")
+        except (UnicodeDecodeError, ValueError) as exc:
+            why = "it is not text" if isinstance(exc, UnicodeDecodeError) else str(exc)
+            raise CheckpointCorruptError(
+                errno.EIO, f"{latest!r} is damaged ({why}; it holds {raw[:80]!r}): pass one of the "
+                f"tags present as tag=...: {present or 'none'}", latest,
+            ) from None
         except FileNotFoundError:
             if present:
                 raise FileNotFoundError(

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import time
+import zlib
 from typing import Optional, Any
 
 import torch
@@ -30,12 +32,30 @@ from offload.runtime.view import Location, ShardedState
 from offload.units.layout import FROZEN_GROUP
 
 FORMAT = "offload-checkpoint"
-VERSION = 2
-"""2: a unit's master covers its shard only up to its frozen parameters, whose values are
-saved from the parameter shard in the compute dtype (record "frozen"; [Note: frozen
-parameters cost their shard only] in offload/units/layout.py). Version 1 (masters over
-whole shards, frozen values in them) still loads: see `value_records`."""
-READABLE = (1, 2)
+VERSION = 3
+"""3: the manifest carries its own checksum ([Note: the manifest's checksum]). 2: a unit's
+master covers its shard only up to its frozen parameters, whose values are saved from the
+parameter shard in the compute dtype (record "frozen"; [Note: frozen parameters cost their
+shard only] in offload/units/layout.py). Version 1 (masters over whole shards, frozen values
+in them) still loads: see `value_records`."""
+READABLE = (1, 2, 3)
+CHECKSUM_KEY = "manifest_crc32"
+
+# [Note: the manifest's checksum]
+# Every byte of the shard and state files is CRC-checked against the manifest, so the
+# manifest is what the loader trusts: damage to it that still parses as JSON (a digit
+# changed, a key renamed, a list cut short) used to surface as an IndexError or KeyError
+# from inside the loader, or as "a different model". From version 3 the manifest records the
+# CRC-32 of its own canonical form (sorted keys, compact separators, the checksum field
+# left out), and `read` refuses a manifest whose content does not match it, naming
+# `manifest.json`. Independently of the checksum (versions 1 and 2 have none), `read`
+# checks the type and range of every field the loader indexes (`_check_fields`), so a
+# manifest that passes is one the loader can walk.
+
+
+def _canonical_crc(manifest: dict[str, Any]) -> int:
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()) & 0xFFFFFFFF
 
 
 def model_signature(sharded: ShardedState) -> dict[str, Any]:
@@ -112,7 +132,10 @@ def build(sharded: ShardedState, tag: str, chunk_bytes: int, ranks: list[dict[st
 
 
 def dumps(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, indent=1, default=str).encode()
+    """The manifest's bytes, its checksum added ([Note: the manifest's checksum])."""
+    plain = json.loads(json.dumps(manifest, default=str))  # what a reader will parse
+    plain[CHECKSUM_KEY] = _canonical_crc(plain)
+    return json.dumps(plain, indent=1).encode()
 
 
 def read(ckpt_dir: str) -> dict[str, Any]:
@@ -136,12 +159,105 @@ def read(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointCorruptError(
             errno.EIO, f"{path!r} is not an offload checkpoint manifest", path
         )
-    if data.get("version") not in READABLE:
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointCorruptError(
+            errno.EIO, f"{path!r} is damaged: its format version is {version!r}; load another tag", path)
+    if version not in READABLE:
         raise ValueError(
-            f"{path!r} has format version {data.get('version')}; this offload reads versions "
+            f"{path!r} has format version {version}; this offload reads versions "
             f"{', '.join(map(str, READABLE))}: load it with the offload release that wrote it"
         )
+    if version >= 3 or CHECKSUM_KEY in data:
+        recorded = data.get(CHECKSUM_KEY)
+        if recorded != _canonical_crc(data):
+            raise CheckpointCorruptError(
+                errno.EIO, f"{path!r} is damaged: its content does not match its own checksum "
+                f"({CHECKSUM_KEY} {recorded!r}): the file was changed after the save; load another "
+                "tag", path,
+            )
+    problem = _check_fields(data)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            errno.EIO, f"{path!r} is damaged: {problem}; load another tag", path)
     return data
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _check_fields(m: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the fields the loader indexes (types, ranges, cross-references),
+    or None."""
+    for key, lo in (("world_size", 1), ("chunk_bytes", 1), ("param_groups", 0)):
+        if not _is_int(m.get(key), lo):
+            return f"{key!r} is {m.get(key)!r}, not an integer >= {lo}"
+    if "global_steps" in m and not _is_int(m["global_steps"]):
+        return f"'global_steps' is {m['global_steps']!r}"
+    model = m.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("units"), list) \
+            or not isinstance(model.get("state_dict"), list):
+        return "'model' lacks its 'units' and 'state_dict' lists"
+    slots_of: dict[int, int] = {}
+    for i, u in enumerate(model["units"]):
+        where = f"model.units[{i}]"
+        if not isinstance(u, dict) or not isinstance(u.get("name"), str) or not isinstance(u.get("slots"), list):
+            return f"{where} is not a unit record"
+        for key in ("index", "padded_numel", "shard_numel", "optimized_numel") + (
+                ("master_end",) if "master_end" in u else ()):
+            if not _is_int(u.get(key)):
+                return f"{where}.{key} is {u.get(key)!r}"
+        if u["index"] != i:
+            return f"{where}.index is {u['index']}, not {i}"
+        for j, sl in enumerate(u["slots"]):
+            if not (isinstance(sl, dict) and isinstance(sl.get("name"), str) and isinstance(sl.get("shape"), list)
+                    and all(_is_int(d) for d in sl["shape"]) and _is_int(sl.get("group"))
+                    and _is_int(sl.get("offset")) and _is_int(sl.get("numel"))
+                    and sl["offset"] + sl["numel"] <= u["padded_numel"]
+                    and math.prod(sl["shape"]) == sl["numel"]):
+                return f"{where}.slots[{j}] is not a consistent parameter record"
+        slots_of[i] = len(u["slots"])
+    for i, e in enumerate(model["state_dict"]):
+        where = f"model.state_dict[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str):
+            return f"{where} is not a state-dict record"
+        kind = e.get("kind")
+        if kind == "param":
+            if not (_is_int(e.get("unit")) and _is_int(e.get("slot")) and e["unit"] in slots_of
+                    and e["slot"] < slots_of[e["unit"]]):
+                return f"{where} ({e['key']!r}) names no saved parameter"
+        elif kind == "buffer":
+            if not (isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)):
+                return f"{where} ({e['key']!r}) is not a buffer record"
+        elif kind != "other":
+            return f"{where} has kind {kind!r}"
+    ranks = m.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != m["world_size"]:
+        return (f"'ranks' lists {len(ranks) if isinstance(ranks, list) else ranks!r} rank(s) for world "
+                f"size {m['world_size']}")
+    for r, entry in enumerate(ranks):
+        where = f"ranks[{r}]"
+        if not isinstance(entry, dict) or entry.get("rank") != r:
+            return f"{where} is not rank {r}'s record"
+        for what in ("shards", "state"):
+            f = entry.get(what)
+            if not (isinstance(f, dict) and isinstance(f.get("file"), str) and f["file"]
+                    and os.path.basename(f["file"]) == f["file"] and _is_int(f.get("size"))):
+                return f"{where}.{what} does not name a file of this directory with its size"
+        if not _is_int(entry["state"].get("crc32")):
+            return f"{where}.state has no crc32"
+        tensors = entry["shards"].get("tensors")
+        if not isinstance(tensors, list):
+            return f"{where}.shards has no tensor list"
+        for k, t in enumerate(tensors):
+            if not (isinstance(t, dict) and _is_int(t.get("unit")) and t["unit"] in slots_of
+                    and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                    and _is_int(t.get("numel")) and _is_int(t.get("offset"))
+                    and t["offset"] <= entry["shards"]["size"]
+                    and isinstance(t.get("checksums", []), list)):
+                return f"{where}.shards.tensors[{k}] is not a tensor record"
+    return None
 
 
 def verify_files(ckpt_dir: str, manifest: dict[str, Any], ranks: Optional[list[int]] = None) -> None:

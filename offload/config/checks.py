@@ -14,7 +14,7 @@ import difflib
 import math
 import os
 import typing
-from dataclasses import Field, fields
+from dataclasses import MISSING, Field, fields
 from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional, Self, Union
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "coerce",
     "positive_int",
     "require",
+    "at_most",
+    "MAX_INT",
     "join_key",
     "Section",
 ]
@@ -132,6 +134,19 @@ def _is_number(text: str) -> bool:
     return True
 
 
+MAX_INT = 2**53
+"""The largest integer any config key takes (a count, or a byte count: 8 PiB): every integer
+is checked against it at the door, so none reaches a native binding (C++ int, size_t) or a
+timer it overflows. Keys with a tighter natural ceiling (threads, queue depths, block
+sizes, timeouts) check their own in their section's `_check` (`at_most`)."""
+
+
+def at_most(key: str, value: Any, ceiling: float, why: str, fix: str) -> None:
+    """Raise `rule_error` when `value` exceeds `ceiling` (`why`: what the ceiling is)."""
+    if value is not None and value > ceiling:
+        raise rule_error(key, value, f"it must be <= {ceiling:g} ({why})", fix)
+
+
 def coerce(key: str, value: Any, hint: Any) -> Any:
     """`value` checked against the annotation `hint`, lightly normalised.
 
@@ -170,10 +185,14 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             raise type_error(key, value, "an integer")
         if isinstance(value, str) and key.endswith("_bytes"):
             value = _size(key, value)  # "1GiB", "512MB", "1.2e9": as on the command line
+        given = value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
         if not isinstance(value, int):
             raise type_error(key, value, "an integer")
+        if abs(value) > MAX_INT:
+            raise rule_error(key, given, f"it must be at most 2**53 in size ({MAX_INT:,}; as bytes, 8 PiB)",
+                             f"set {key} to a count or a byte count a machine can hold")
         return value
     if hint is float:
         if isinstance(value, str) and _is_number(value):
@@ -278,6 +297,10 @@ class Section:
         for key in data:
             if key not in names:
                 raise cls._unknown_key(prefix, key, names)
+        for f in fields(cls):
+            if f.init and f.name not in data and f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(join_key(prefix, f.name), "is required and missing",
+                                  f"set {join_key(prefix, f.name)} (docs/config.md lists each key)")
         return cls(**dict(data))
 
     @classmethod

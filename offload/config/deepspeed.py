@@ -343,11 +343,16 @@ def _precision(t: Translation) -> int:
                  "it requires bf16 master weights, which offload does not keep",
                  "remove it; offload's own format has optimizer.moments_dtype: bf16 (bf16 moments, "
                  "fp32 master weights)")
-        for name, why in (("immediate_grad_update", "an implementation detail of DeepSpeed's bf16 optimizer"),
-                          ("check_grad_overflow", "offload checks for overflow only with fp16"),
-                          ("check_overflow", "offload checks for overflow only with fp16")):
+        if "immediate_grad_update" in bf16:
+            t.ignore(f"{bf16_key}.immediate_grad_update", "an implementation detail of DeepSpeed's bf16 optimizer")
+        for name in ("check_overflow", "check_grad_overflow"):  # the later one wins, as in DeepSpeed
             if name in bf16:
-                t.ignore(f"{bf16_key}.{name}", why)
+                # DeepSpeed skips a bf16 step whose gradients overflow: offload's non-finite
+                # guard (nonfinite_loss 'skip', the default) is that check; False turns it off.
+                value = bf16[name]
+                if not isinstance(value, bool):
+                    raise type_error(f"{bf16_key}.{name}", value, "true or false")
+                t.set("nonfinite_loss", "skip" if value else "off", f"{bf16_key}.{name}")
     return 4 if dtype == "fp32" else 2
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Optional
 from offload.config.checks import (
     ConfigError,
     Section,
+    at_most,
     coerce,
     did_you_mean,
     join_key,
@@ -43,6 +44,11 @@ from offload.config.monitor_sections import (
 )
 from offload.config.sharding import ShardingConfig
 from offload.sizes import ALIGNMENT, GiB, MiB
+
+MAX_THREADS = 4096
+"""The most threads a key may ask for (CPU optimizer, AIO workers): more than any machine
+offload runs on has cores; a larger number is a typo, refused before any thread starts."""
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 __all__ = [
     "Config",
@@ -354,6 +360,12 @@ class AIOConfig(Section):
                 "at least one request must be in flight", "use e.g. 32")
         require(self.threads >= 1, self._key("threads"), self.threads,
                 "at least one I/O worker thread is needed", "use e.g. 2")
+        at_most(self._key("block_size"), self.block_size, GiB, "1 GiB: larger requests gain nothing and "
+                "each worker holds queue_depth of them", "use a power of two such as 1048576 (1 MiB)")
+        at_most(self._key("queue_depth"), self.queue_depth, 65536, "the kernel's default limit on AIO "
+                "requests in flight, fs.aio-max-nr", "use e.g. 32")
+        at_most(self._key("threads"), self.threads, MAX_THREADS, "a larger count is more than any machine's cores",
+                "use e.g. 2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -481,6 +493,10 @@ class Config(Section):
                 "use 0 or a thread count")
         require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
                 "a timeout must be > 0 seconds", "use e.g. 1800 (torch.distributed's default)")
+        at_most("cpu_adam_threads", self.cpu_adam_threads, MAX_THREADS, "a larger count is more than any machine's cores",
+                "use 0 (the cores this process may use, divided among the node's ranks) or a thread count")
+        at_most("collective_timeout_s", self.collective_timeout_s, MAX_TIMEOUT_S, "one year: torch.distributed "
+                "keeps timeouts in milliseconds", "use e.g. 1800 (torch.distributed's default)")
         require(self.zero_stage in (1, 2, 3), "zero_stage", self.zero_stage,
                 "offload runs ZeRO stages 1, 2 and 3", "use 3 (partitioned parameters) or 2")
         require(self.zero_stage == 3 or self.offload.param_tier != "nvme", "zero_stage",

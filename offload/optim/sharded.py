@@ -127,11 +127,12 @@ def transient_grad_shards(config: Config, compute_on_gpu: bool) -> bool:
     memory that a model larger than RAM cannot spare).
 
     That needs every update to run during backward (docs/prefetch.md: the optimizer in
-    backward, no clipping, no fp16, one micro-batch per step) and a CPU run: on a GPU run
+    backward, no clipping, no fp16, no non-finite guard, one micro-batch per step) and a CPU run: on a GPU run
     the shard is pinned memory, whose allocation is too slow to repeat every step."""
     return (
         not compute_on_gpu
         and bool(config.prefetch.optimizer_in_backward)
+        and config.nonfinite_loss == "off"  # the guard updates at step() (runtime/optimizer_step.py)
         and float(config.gradient_clipping) <= 0.0
         and config.precision.dtype != "fp16"
         and int(config.gradient_accumulation_steps) == 1

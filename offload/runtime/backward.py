@@ -127,6 +127,10 @@ class BackwardTracker:
         self.at_boundary = True
         """This pass ends the step's accumulation window (set per pass by the engine)."""
         self.scratch = GradScratch(states, enabled=share_scratch and transient_grads and self.world_size == 1)
+        self._before: list[tuple[bool, bool, list[bool]]] = []
+        """Each unit's gradient-shard flags as the current pass began (`abort` restores them)."""
+        self._reduced: set[int] = set()
+        """Units this pass has reduced into their shard."""
         """Memory for transient gradient shards ([Note: one scratch for transient gradient
         shards]); not shared when the optimizer worker updates one unit while the next is
         reduced (`share_scratch` False)."""
@@ -188,6 +192,8 @@ class BackwardTracker:
         if self.state is Pass.BACKWARD:
             return False
         self.state = Pass.BACKWARD
+        self._before = [(st.grad_valid, st.grad_unaveraged, list(st.slot_has_grad)) for st in self.states]
+        self._reduced = set()
         return True
 
     def entered(self, unit: FlatUnit) -> None:
@@ -218,6 +224,7 @@ class BackwardTracker:
                                      whole=self.world_size > 1 or st.grad_valid)
             mean = replica_mean(unit.pg, self.at_boundary, st.grad_valid, st.grad_unaveraged)
             red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid, replicas=mean)
+            self._reduced.add(unit.index)
             st.grad_valid = True
             st.grad_unaveraged = mean is ReplicaMean.LATER
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
@@ -278,20 +285,37 @@ class BackwardTracker:
         self.units[ROOT].free()
         self.state = Pass.FORWARD
 
-    def abort(self) -> None:
-        """A backward died half-way: issued collectives complete on every rank; partial
-        gradients and the pass state go (gradients of earlier micro-batches stay)."""
+    def abort(self) -> bool:
+        """A backward died half-way: issued collectives complete on every rank; the pass's
+        partial gradients and state go. A shard the pass reduced into is put back as it was
+        before the pass where that is exact: one that held no gradient yet holds none again
+        (its next reduce overwrites it). Returns False when the pass had added to a shard that
+        already held earlier micro-batches' sums (no exact way back: the caller marks the
+        accumulation window lost), True otherwise."""
         for _, red, _ in self._reduces:
             try:
                 red.wait()
             except Exception:  # noqa: BLE001 - the backward's own error is what is raised
                 pass
         self._reduces = []
+        exact = True
+        for i in sorted(self._reduced):
+            if i >= len(self._before):
+                continue
+            valid, unaveraged, has = self._before[i]
+            st = self.states[i]
+            if valid:
+                exact = False  # the sum of earlier micro-batches has this pass's part in it
+                continue
+            st.grad_valid, st.grad_unaveraged, st.slot_has_grad = valid, unaveraged, list(has)
+            st.grad_ready = None
+        self._reduced = set()
         for unit in self.units:
             for p in unit.params:
                 p.grad = None
             unit.free()
         self.reset()
+        return exact
 
     def reset(self) -> None:
         self._tracks = [_Track() for _ in self.units]

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -105,6 +106,8 @@ def build(
     # Before anything is allocated: a parameter the model wants in fp32 is refused here.
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules, config.leaf_modules)
+    if pg.rank == 0:
+        warn_one_big_unit(plans, config.unit_modules)
     groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     specs = kind.specs(config.optimizer.moments_dtype)
     planned = _plan_layouts(plans, group_of, pg.world_size, param_align(specs, PARAM_ALIGN_ELEMS))
@@ -129,6 +132,28 @@ def build(
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
         placement=tiers.placement,
     )
+
+
+def warn_one_big_unit(plans: list[UnitPlan], unit_modules: Sequence[str]) -> None:
+    """Warn (logging and `warnings`) when one unit holds more than half of the parameters:
+    a unit is gathered whole, so such a model pages little or nothing (a model without
+    repeated blocks in an nn.ModuleList is one unit, the root)."""
+    sizes = [sum(r.param.numel() for r in plan.params) for plan in plans]
+    total = sum(sizes)
+    if not total:
+        return
+    big = max(range(len(plans)), key=sizes.__getitem__)
+    if 2 * sizes[big] <= total:
+        return
+    name = plans[big].name or "the root (parameters outside every unit)"
+    chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (each nn.ModuleList's blocks)"
+    message = (
+        f"one unit, {name}, holds {sizes[big]:,} of the model's {total:,} parameters "
+        f"({100 * sizes[big] / total:.0f} %) under {chosen}: it is gathered whole on the "
+        "compute device, so little of the model is paged. Set unit_modules to the class names "
+        "of the model's repeated blocks (e.g. ['LlamaDecoderLayer']) to cut it finer")
+    logging.getLogger("offload").warning(message)
+    warnings.warn(message, UserWarning, stacklevel=5)  # the caller of offload.initialize
 
 
 def _plan_layouts(plans: list[UnitPlan], group_of: dict[int, int], world_size: int,

@@ -61,9 +61,9 @@ class Health:
         if self.state is EngineState.FAILED:
             exc = self.failure
             raise RuntimeError(
-                f"{what}: an earlier optimizer step failed part-way ({type(exc).__name__}: {exc}), "
-                "so the parameters and optimizer state are inconsistent (some units were "
-                "updated, others not). Fix the cause, then engine.load_checkpoint(...) restores "
+                f"{what}: an earlier optimizer step or backward failed part-way ({type(exc).__name__}: "
+                f"{exc}), so the parameters, gradients and optimizer state may be inconsistent (some "
+                "units updated or written, others not). Fix the cause, then engine.load_checkpoint(...) restores "
                 "a consistent state and training goes on; or engine.close()"
             ) from exc
         self.gathering.check_closed(what)  # no step inside engine.gathered(...)

@@ -7,9 +7,24 @@ per backward pass, of where updates run (`StepMode`):
   into one `grad_scale`, and runs the CPU Adam over every unit's shard.
 - `IN_BACKWARD`: each unit is updated as soon as its gradient shard is final (its
   reduce-scatter completed), under the backward of the units before it. Only when nothing
-  needs the whole gradient first: no clipping, no fp16 loss scale, at a boundary, and no
-  non-finite loss this step, and where the user's micro-batches run one backward pass each
-  ([Note: several backward passes per step]; docs/prefetch.md).
+  needs the whole gradient first: no clipping, no fp16 loss scale, no non-finite guard
+  (`nonfinite_loss: off`), at a boundary, and where the user's micro-batches run one
+  backward pass each ([Note: several backward passes per step]; docs/prefetch.md).
+
+[Note: no non-finite value is applied]
+`nonfinite_loss` ('skip', the default, or 'raise') guards the loss and the gradients: no
+NaN or inf ever reaches a master weight or a moment, and a step with one anywhere is skipped
+whole, on every rank. The gradient's finiteness is known only when the last unit's gradient
+is: an update that ran during backward before a bad unit was reduced would already have
+changed its unit (an inf behind a finite loss: a custom backward, an overflow in a bf16
+kernel). Undoing it exactly means keeping every updated unit's weights and moments from
+before the update (12 bytes per parameter for the whole model, more than the gradient
+shards), so the guard instead runs the step's updates at `engine.step()`, after the global
+norm (which it takes every step anyway) is known finite. That costs the overlap of the
+update with backward (measured on the 134M CPU step: docs/prefetch.md) and, on a CPU run,
+transient gradient shards (`transient_grad_shards` follows this choice, and the planner
+with it). `nonfinite_loss: off` restores the updates in backward, unguarded: a non-finite
+gradient then reaches the weights, as in a plain loop.
 
 [Note: the norm of every step]
 The global gradient norm is reported for every applied step (`counters.last_grad_norm`,
@@ -83,7 +98,7 @@ from offload.storage.nvme import NVMeContext
 
 logger = logging.getLogger("offload.engine")
 
-__all__ = ["StepMode", "StepPolicy", "uses_worker"]
+__all__ = ["StepMode", "StepPolicy", "may_update_in_backward", "uses_worker"]
 
 
 class StepMode(enum.Enum):
@@ -118,6 +133,13 @@ class StepPolicy:
         self.boundary_passes = 0
         """Backward passes begun at an accumulation boundary since the last `engine.step()`
         ([Note: several backward passes per step])."""
+        self.passes_since_step = 0
+        """Backward passes (and micro-batches whose non-finite loss ran none) since the last
+        `engine.step()`: none, and that step has no gradient at all (`no_gradient`)."""
+        self._warned_no_gradient = False
+        self.window_lost: Optional[BaseException] = None
+        """The error of a failed backward that left this window's gradient sums part-added
+        (`lose_window`); cleared by `discard_gradients`."""
         self._learned = False
         """A boundary micro-batch with a backward pass has been seen (the learning step)."""
         self._multi_pass = False
@@ -162,6 +184,22 @@ class StepPolicy:
         an accumulation window (None: count to gradient_accumulation_steps again)."""
         self.boundary = is_boundary
 
+    def lose_window(self, cause: BaseException) -> None:
+        """A backward that failed had added to gradient sums of earlier micro-batches of this
+        window: they cannot be restored exactly, so the window is lost until `zero_grad`."""
+        self.window_lost = cause
+
+    def check_window(self, what: str) -> None:
+        """Raise when this accumulation window lost its gradients to a failed backward."""
+        if self.window_lost is not None:
+            cause = self.window_lost
+            raise RuntimeError(
+                f"{what}: a backward pass of this accumulation window failed ({type(cause).__name__}: "
+                f"{cause}) after adding part of its gradients to the sums of the window's earlier "
+                "micro-batches, which cannot be taken back exactly; nothing was applied. Call "
+                "engine.zero_grad() to discard the window's gradients, then run its micro-batches "
+                "again (or go on with the next ones)")
+
     def abort_backward(self) -> None:
         """A backward pass that died: the worker's updates land first, then the next pass
         starts from AT_STEP."""
@@ -178,12 +216,28 @@ class StepPolicy:
         window. A boundary with a backward pass teaches the policy how many passes the
         user's micro-batches run ([Note: several backward passes per step])."""
         boundary = self.is_boundary()
+        self.passes_since_step = 0
         self.counters.micro_steps += 1
         if boundary and self.boundary_passes:
             self._learned = True
             self._multi_pass |= self.boundary_passes > 1
         self.boundary_passes = 0
         return boundary
+
+    def no_gradient(self) -> bool:
+        """`engine.step()` with no backward since the last one: nothing to count or apply
+        (torch warns alike for a scheduler stepped before its optimizer). Warns once."""
+        if self.passes_since_step:
+            return False
+        if not self._warned_no_gradient:
+            self._warned_no_gradient = True
+            message = ("engine.step() was called with no engine.backward() since the last step: there "
+                       "is no gradient to apply, so nothing was done (global_steps, the micro-batch "
+                       "count and the LR schedule stay where they are). Call engine.backward(loss) "
+                       "before each engine.step()")
+            logger.warning(message)
+            warnings.warn(message, UserWarning, stacklevel=3)
+        return True
 
     @property
     def step_index(self) -> int:
@@ -205,6 +259,7 @@ class StepPolicy:
     def skip_for_loss(self, value: float) -> None:
         """The micro-batch with loss `value` ran no backward: skip this step at its boundary,
         or raise (nonfinite_loss='raise')."""
+        self.passes_since_step += 1  # a micro-batch all the same: its step() counts it
         if self.config.nonfinite_loss == "raise":
             where = f"loss {value}" if not math.isfinite(value) else "a non-finite loss on another rank"
             raise FloatingPointError(
@@ -220,6 +275,7 @@ class StepPolicy:
         """Decide, once per backward pass, whether units update as their gradients finish
         ([Note: several backward passes per step])."""
         self.pass_updates = 0
+        self.passes_since_step += 1
         self._norm = None  # the gradients are about to change
         at_boundary = self.is_boundary()
         self.boundary_passes += int(at_boundary)
@@ -230,6 +286,7 @@ class StepPolicy:
             raise RuntimeError(self._second_pass_message())
         in_backward = (
             self.config.prefetch.optimizer_in_backward
+            and may_update_in_backward(self.config)  # [Note: no non-finite value is applied]
             and self._nonfinite_loss is None  # this step will be skipped
             and float(self.config.gradient_clipping) <= 0.0
             and self.dtype != torch.float16
@@ -387,15 +444,18 @@ class StepPolicy:
         # unit was updated during backward yet (then the step is still whole to skip).
         if not overflow and not skip and self.config.nonfinite_loss != "off":
             if not math.isfinite(total):
+                where = self._nonfinite_units()
                 if self.config.nonfinite_loss == "raise":
                     nonfinite = FloatingPointError(
-                        f"the gradient norm of optimizer step {self.step_index} is {total}: the "
-                        "step was skipped, nothing was applied; set nonfinite_loss='skip' to "
-                        "skip such steps without raising"
+                        f"a non-finite gradient at optimizer step {self.step_index} (the norm is "
+                        f"{total}), in {where}: the step was skipped on every rank, nothing was "
+                        "applied; skip this batch and go on, lower the learning rate, or set "
+                        "nonfinite_loss='skip' to skip such steps without raising"
                     )
                 else:
-                    logger.warning("optimizer step %d skipped: the gradient norm is %s "
-                                   "(nonfinite_loss='skip')", self.step_index, total)
+                    logger.warning("optimizer step %d skipped: a non-finite gradient (the norm is "
+                                   "%s) in %s (nonfinite_loss='skip'); %d step(s) skipped so far",
+                                   self.step_index, total, where, self.counters.skipped_steps + 1)
                 overflow = True
         if not overflow and clip > 0.0:
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
@@ -436,6 +496,19 @@ class StepPolicy:
             if part is not None:
                 sq += part
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
+
+    def _nonfinite_units(self) -> str:
+        """The units whose gradient is non-finite on some rank, named (one all-reduce; every
+        rank calls it, having seen the same non-finite norm)."""
+        flags = torch.tensor([0.0 if (sq := _sum_of_squares(st)) is None or math.isfinite(float(sq)) else 1.0
+                              for st in self.states], dtype=torch.float32)
+        if self.pg.world_size > 1 and flags.numel():
+            flags = self._all_reduce(flags, "max")
+        names = [st.unit.name or "<root>" for st, f in zip(self.states, flags.tolist()) if f]
+        if not names:
+            return "no unit's gradient alone (their squares overflowed in the sum)"
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"unit{'s' if len(names) > 1 else ''} {shown}"
 
     # -- what the user asks of this step's gradients -----------------------------------------
 
@@ -482,6 +555,7 @@ class StepPolicy:
         """Forget the gradients accumulated since the last step (the step's own clearing,
         `engine.zero_grad()`, a checkpoint load)."""
         self.optimizer.clear_grads()
+        self.window_lost = None
         self._sum_sq = {}
         self._norm = None
         self.clip_request = None
@@ -543,6 +617,12 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
+
+
+def may_update_in_backward(config: Config) -> bool:
+    """Whether `config`'s non-finite guard lets updates run during backward: only with it
+    off ([Note: no non-finite value is applied])."""
+    return config.nonfinite_loss == "off"
 
 
 def uses_worker(config: Config, device: torch.device, nvme: bool) -> bool:

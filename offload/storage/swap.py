@@ -162,8 +162,14 @@ class MemoryBackedSwapWarning(RuntimeWarning):
 def filesystem_type(path: str) -> Optional[str]:
     """The type (`ext4`, `tmpfs`, ...) of the mount holding `path`, from /proc/self/mountinfo
     (the longest mount point that contains the resolved path); None where it cannot be read."""
+    return mount_of(path)[1]
+
+
+def mount_of(path: str) -> tuple[Optional[str], Optional[str]]:
+    """(mount point, filesystem type) of the mount holding `path` ((None, None) where
+    /proc/self/mountinfo cannot be read)."""
     real = os.path.realpath(path)
-    best: tuple[int, Optional[str]] = (-1, None)
+    best: tuple[int, Optional[str], Optional[str]] = (-1, None, None)
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
@@ -175,10 +181,10 @@ def filesystem_type(path: str) -> Optional[str]:
                 fstype = line.split(" - ", 1)[1].split()[0]
                 inside = real == mount or real.startswith(mount.rstrip("/") + "/")
                 if inside and len(mount) > best[0]:
-                    best = (len(mount), fstype)
+                    best = (len(mount), mount, fstype)
     except OSError:
-        return None
-    return best[1]
+        return None, None
+    return best[1], best[2]
 
 
 def memory_backed(path: str, key: str = "offload.nvme_path") -> Optional[str]:
@@ -241,9 +247,20 @@ def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     that take a swap directory on the command line. A directory that cannot be created is an
     OSError naming `key`, the path and the fix, as `check_swap_dir`'s are."""
     if path and not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(
+                errno.ENOENT, f"{key} {path!r} does not exist, and neither does its parent "
+                f"{parent!r} (a mistyped mount point, or a disk not mounted?): offload creates the "
+                f"last directory of {key}, as DeepSpeed does, not a whole path; create it (mkdir -p) "
+                "or point it at a directory on a mounted local NVMe disk", path)
         try:
             os.makedirs(path, exist_ok=True)
-            logger.info("created %s %s (it did not exist)", key, path)
+            mount, fstype = mount_of(path)
+            where = (f"on the root filesystem ({fstype}, mounted at /): if {parent!r} was meant to be "
+                     "a mounted disk, it is not mounted" if mount == "/" else
+                     f"on the {fstype} filesystem mounted at {mount}")
+            logger.warning("created %s %s (it did not exist) %s", key, path, where)
         except OSError as exc:
             raise type(exc)(
                 exc.errno,

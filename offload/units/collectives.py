@@ -116,9 +116,25 @@ def leave_together(pg: ProcessGroupInfo, device: torch.device) -> None:
     settle_collectives()
 
 
+def exiting_on_an_error() -> bool:
+    """Whether the interpreter is ending on an uncaught exception: Python records it in
+    `sys.last_value` (`sys.last_exc` from 3.12) before the traceback is printed, whatever
+    `sys.excepthook` a framework installed."""
+    import sys
+
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
 def _leave_owned_group() -> None:
-    """At exit: destroy the group offload started, if it is still there."""
+    """At exit: destroy the group offload started, if it is still there. A process ending on
+    an uncaught exception skips the barrier: its peers may sit in another collective, which
+    would hold it for the whole collective_timeout_s (30 minutes by default); it exits at
+    once, and they fail within seconds with the "closed its connection" error
+    ([Note: a rank that stops answering]), as they do for a rank killed with SIGKILL."""
     if _OWNED[0] is None or not (dist.is_available() and dist.is_initialized()) or _OWNED[0] is not dist.group.WORLD:
+        return
+    if exiting_on_an_error():
+        _OWNED[0] = None
         return
     try:
         backend = _default_group_backend()

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
+from offload.config.checks import rule_error
 from offload.config.sections import Config
 from offload.config.sharding import ShardingConfig
 from offload.units.collectives import setup_process_group
@@ -93,13 +94,13 @@ def _timed_backend(device_type: str, timeout_s: float) -> tuple[str, Any]:
 def sharding_mode(sharding: ShardingConfig, world_size: int, ranks_per_node: int) -> ShardingMode:
     """The mode `sharding` asks for at `world_size` (pure: checked here, once). A size equal
     to the world size is plain ZeRO (FULL). Raises ValueError naming the key, the value, the
-    rule and the fix when a size does not divide the world."""
+    rule and the fix when a size does not divide the world (a ConfigError, a ValueError)."""
     for key, size, off in (("shard_group_size", sharding.shard_group_size, 0),
                            ("hpz_partition_size", sharding.hpz_partition_size, 1)):
         if size != off and world_size % size:
-            raise ValueError(
-                f"sharding.{key} = {size}, but the world size {world_size} is not a multiple of it "
-                f"(every group must have {size} ranks); use a divisor of {world_size}, such as the "
+            raise rule_error(
+                f"sharding.{key}", size, f"the world size {world_size} is not a multiple of it "
+                f"(every group must have {size} ranks)", f"use a divisor of {world_size}, such as the "
                 f"ranks per node ({ranks_per_node})")
     if 1 < sharding.shard_group_size < world_size:
         return ShardingMode.HSDP
