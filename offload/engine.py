@@ -287,8 +287,8 @@ class Engine:
     def _abort_backward(self, cause: Optional[BaseException] = None) -> None:
         self.policy.abort_backward()  # the worker's updates end first; the backward's own error is raised
         self.gather.abort()
-        if not self.backward_tracker.abort() and cause is not None:
-            self.policy.lose_window(cause)  # the next step() refuses until zero_grad()
+        if not self.backward_tracker.abort() and cause is not None:  # not undone exactly:
+            self.policy.lost.lose(cause)  # step() refuses until zero_grad()
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -298,12 +298,11 @@ class Engine:
     forward = __call__
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
-        """`loss.backward()`, with the fp16 loss scale applied. Gradients accumulate into the
-        shards until `step()` reaches an accumulation boundary; the engine divides them by
-        gradient_accumulation_steps there (DeepSpeed's default), so pass the plain loss.
-        `scale_wrt_gas=False` (DeepSpeed's): this loss is not to be divided by the
-        accumulation steps (a sum over micro-batches, or a Trainer's loss already normalised
-        for its window): the engine multiplies it back before its step divides."""
+        """`loss.backward()` with the fp16 loss scale. Gradients accumulate in the shards until
+        `step()` reaches a boundary, where they are divided by gradient_accumulation_steps
+        (DeepSpeed's default: pass the plain loss). `scale_wrt_gas=False` (DeepSpeed's): this
+        loss is not to be divided (a sum over micro-batches, a Trainer's loss normalised for
+        its window): the engine multiplies it back before its step divides."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects a scalar loss tensor")
         self.health.check_ready("engine.backward")
@@ -321,15 +320,11 @@ class Engine:
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
-            # A backward that died half-way must not leave units looking "in backward" (the
-            # next forward would keep them gathered): drop its partial state, keep the
-            # gradients of earlier micro-batches. If it had already updated units
-            # (optimizer in backward), the step is part-applied: the engine fails.
+            # Drop the pass's state and gradients (BackwardTracker.abort). Updates already
+            # run in backward (part-applied) or a failed disk: FAILED, as in step().
             partial = self.backward_tracker.active and self.policy.pass_updates > 0
             self._abort_backward(exc)
             if partial or isinstance(exc, OSError):
-                # Part of the step applied, or the disk under the tiers failed: the same
-                # FAILED path as an error during step() (docs/nvme.md).
                 self.health.fail(exc)
             raise
         self._finish_backward()
@@ -341,14 +336,14 @@ class Engine:
         self.policy.set_boundary(is_boundary)
 
     def step(self) -> None:
-        """Advance one micro-batch; at an accumulation boundary apply the optimizer step.
-        If the optimizer step fails (an I/O error, say), its error is raised here and the
-        engine enters EngineState.FAILED: load a checkpoint to go on."""
+        """Advance one micro-batch; at an accumulation boundary apply the optimizer step. If it
+        fails (an I/O error), its error is raised here and the engine enters FAILED: load a
+        checkpoint to go on. Ending a window that ran no backward, it does nothing (warned)."""
         self.health.check_ready("engine.step")
         self._finish_backward()
         if self.policy.no_gradient():
             return  # not counted: warned once
-        self.policy.check_window("engine.step()")  # a failed backward left part-added sums
+        self.policy.lost.check("engine.step()")
         boundary = self.policy.end_micro_batch()  # counts it (and the backward passes it ran)
         if not boundary:
             return
@@ -502,17 +497,14 @@ class Engine:
 
     # -- checkpoints (offload/checkpoint, docs/checkpoint.md) ---------------------------------
 
-    def save_checkpoint(
-        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None
-    ) -> str:
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> str:
         """Write a checkpoint to `save_dir/<tag>` (default tag `global_step<N>`) and point
-        `save_dir/latest` at it once complete. Every rank calls it; each writes its own
-        shards. `client_state` (e.g. the data-loader position) comes back from
-        `load_checkpoint`. Returns the checkpoint's path."""
+        `save_dir/latest` at it once complete. Every rank calls it and writes its shards.
+        `client_state` (the data-loader position) comes back from `load_checkpoint`."""
         from offload.checkpoint import save_checkpoint
 
         self.health.check_ready("engine.save_checkpoint")
-        self.policy.check_window("engine.save_checkpoint")  # the real cause, not "between micro-batches"
+        self.policy.lost.check("engine.save_checkpoint")  # the real cause, not "between micro-batches"
         return save_checkpoint(self.sharded_state, save_dir, tag, client_state, staging=self.checkpoint_staging)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, copy_to_swap: Optional[bool] = None,

@@ -87,7 +87,7 @@ def engine_hf_norms(kind: str, rank: int = 0, world_size: int = 1) -> dict[str, 
     """Train `kind` with the engine (rank r takes its share of every batch): the norm reported
     after every optimizer step, whether each step's updates ran during backward, the units."""
     model, unit_modules = hf_model(kind)
-    engine = offload.initialize(model, make_config(gas=GAS, unit_modules=unit_modules,
+    engine = offload.initialize(model, make_config(gas=GAS, unit_modules=unit_modules, nonfinite_loss="off",
                                                    prefetch=PrefetchConfig(optimizer_in_backward=True)))
     units = [unit.name for unit in engine.units]
     norms, in_backward = [], []

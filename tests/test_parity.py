@@ -100,23 +100,24 @@ def test_a_smooth_model_calls_no_kink():
     assert measure(functools.partial(Mlp, "gelu", dead=True)).kink_margin == math.inf
 
 
+def relu_calls(truth_inputs: list[torch.Tensor], ref_inputs: list[torch.Tensor]) -> tuple[KinkInputs, KinkInputs]:
+    """The records of F.relu on each input: the truth's (as float64) and the reference's."""
+    records = KinkInputs(), KinkInputs()
+    for rec, inputs, dtype in zip(records, (truth_inputs, ref_inputs), (torch.float64, torch.float32)):
+        with rec:
+            for x in inputs:
+                F.relu(x.to(dtype))
+    return records
+
+
 def test_a_run_that_took_another_route_is_named():
     """A selection that went another way shows as a different call sequence."""
-    truth, ref = KinkInputs(), KinkInputs()
-    with truth:
-        F.relu(torch.ones(3, dtype=torch.float64))
-    with ref:
-        F.relu(torch.ones(3))
-        F.relu(torch.ones(3))
+    truth, ref = relu_calls([torch.ones(3)], [torch.ones(3), torch.ones(3)])
     with pytest.raises(IllConditioned, match="made 2 non-smooth calls and the float64 truth 1"):
         assert_smooth(truth, {"fp32": ref})
 
 
 def test_inputs_no_rounding_reaches_are_not_judged():
     """Data (bit-identical in every run) on a kink decides nothing: no run can cross it."""
-    truth, ref = KinkInputs(), KinkInputs()
-    with truth:
-        F.relu(torch.zeros(3, dtype=torch.float64))
-    with ref:
-        F.relu(torch.zeros(3))
+    truth, ref = relu_calls([torch.zeros(3)], [torch.zeros(3)])
     assert assert_smooth(truth, {"fp32": ref}) == math.inf

@@ -30,6 +30,11 @@ import time
 import uuid
 from typing import Optional
 
+class CheckpointCorruptError(OSError):
+    """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch, a damaged
+    manifest or `latest`)."""
+
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -78,8 +83,6 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
         )
     present = list_tags(load_dir)
     if tag is None:
-        from offload.checkpoint.shards import CheckpointCorruptError
-
         latest = os.path.join(load_dir, LATEST)
         try:
             with open(latest, "rb") as f:

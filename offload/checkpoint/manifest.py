@@ -212,7 +212,7 @@ def _check_fields(m: dict[str, Any]) -> Optional[str]:
             return f"{where}.index is {u['index']}, not {i}"
         for j, sl in enumerate(u["slots"]):
             if not (isinstance(sl, dict) and isinstance(sl.get("name"), str) and isinstance(sl.get("shape"), list)
-                    and all(_is_int(d) for d in sl["shape"]) and _is_int(sl.get("group"))
+                    and all(_is_int(d) for d in sl["shape"]) and _is_int(sl.get("group"), FROZEN_GROUP)
                     and _is_int(sl.get("offset")) and _is_int(sl.get("numel"))
                     and sl["offset"] + sl["numel"] <= u["padded_numel"]
                     and math.prod(sl["shape"]) == sl["numel"]):

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from offload.checkpoint.files import CheckpointCorruptError
 from offload.config.sections import AIOConfig
 from offload.dtypes import from_name, name_of
 from offload.sizes import ALIGNMENT, align_up
@@ -77,8 +78,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name_of(dtype)
 
 
-class CheckpointCorruptError(OSError):
-    """A checkpoint file is torn, truncated or corrupt (checksum or size mismatch)."""
+# CheckpointCorruptError lives with the directory protocol (files.py: `latest` raises it
+# too); this module's import path for it is documented and stays.
 
 
 HUGE_PAGE_BYTES = 2 << 20

@@ -11,21 +11,7 @@ per backward pass, of where updates run (`StepMode`):
   (`nonfinite_loss: off`), at a boundary, and where the user's micro-batches run one
   backward pass each ([Note: several backward passes per step]; docs/prefetch.md).
 
-[Note: no non-finite value is applied]
-`nonfinite_loss` ('skip', the default, or 'raise') guards the loss and the gradients: no
-NaN or inf ever reaches a master weight or a moment, and a step with one anywhere is skipped
-whole, on every rank. The gradient's finiteness is known only when the last unit's gradient
-is: an update that ran during backward before a bad unit was reduced would already have
-changed its unit (an inf behind a finite loss: a custom backward, an overflow in a bf16
-kernel). Undoing it exactly means keeping every updated unit's weights and moments from
-before the update (12 bytes per parameter for the whole model, more than the gradient
-shards), so the guard instead runs the step's updates at `engine.step()`, after the global
-norm (which it takes every step anyway) is known finite. That costs the overlap of the
-update with backward (measured on the 134M CPU step: docs/prefetch.md) and, on a CPU run,
-transient gradient shards (`transient_grad_shards` follows this choice, and the planner
-with it). `nonfinite_loss: off` restores the updates in backward, unguarded: a non-finite
-gradient then reaches the weights, as in a plain loop.
-
+The non-finite guard: [Note: no non-finite value is applied] in offload/runtime/nonfinite.py.
 [Note: the norm of every step]
 The global gradient norm is reported for every applied step (`counters.last_grad_norm`,
 `engine.get_global_grad_norm()`), clipping or not, in either mode, for the cost of one dot
@@ -86,6 +72,7 @@ import torch
 
 from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
+from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
 from offload.runtime.optimizer_worker import OptimizerWorker
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.view import Schedule, StepCounters
@@ -133,13 +120,11 @@ class StepPolicy:
         self.boundary_passes = 0
         """Backward passes begun at an accumulation boundary since the last `engine.step()`
         ([Note: several backward passes per step])."""
-        self.passes_since_step = 0
-        """Backward passes (and micro-batches whose non-finite loss ran none) since the last
-        `engine.step()`: none, and that step has no gradient at all (`no_gradient`)."""
+        self.window_passes = 0
+        """Backward passes (or non-finite losses) in this accumulation window (`no_gradient`)."""
         self._warned_no_gradient = False
-        self.window_lost: Optional[BaseException] = None
-        """The error of a failed backward that left this window's gradient sums part-added
-        (`lose_window`); cleared by `discard_gradients`."""
+        self.lost = LostWindow()
+        """A failed backward that left this window's sums part-added (until `discard_gradients`)."""
         self._learned = False
         """A boundary micro-batch with a backward pass has been seen (the learning step)."""
         self._multi_pass = False
@@ -184,22 +169,6 @@ class StepPolicy:
         an accumulation window (None: count to gradient_accumulation_steps again)."""
         self.boundary = is_boundary
 
-    def lose_window(self, cause: BaseException) -> None:
-        """A backward that failed had added to gradient sums of earlier micro-batches of this
-        window: they cannot be restored exactly, so the window is lost until `zero_grad`."""
-        self.window_lost = cause
-
-    def check_window(self, what: str) -> None:
-        """Raise when this accumulation window lost its gradients to a failed backward."""
-        if self.window_lost is not None:
-            cause = self.window_lost
-            raise RuntimeError(
-                f"{what}: a backward pass of this accumulation window failed ({type(cause).__name__}: "
-                f"{cause}) after adding part of its gradients to the sums of the window's earlier "
-                "micro-batches, which cannot be taken back exactly; nothing was applied. Call "
-                "engine.zero_grad() to discard the window's gradients, then run its micro-batches "
-                "again (or go on with the next ones)")
-
     def abort_backward(self) -> None:
         """A backward pass that died: the worker's updates land first, then the next pass
         starts from AT_STEP."""
@@ -216,7 +185,8 @@ class StepPolicy:
         window. A boundary with a backward pass teaches the policy how many passes the
         user's micro-batches run ([Note: several backward passes per step])."""
         boundary = self.is_boundary()
-        self.passes_since_step = 0
+        if boundary:
+            self.window_passes = 0
         self.counters.micro_steps += 1
         if boundary and self.boundary_passes:
             self._learned = True
@@ -225,16 +195,16 @@ class StepPolicy:
         return boundary
 
     def no_gradient(self) -> bool:
-        """`engine.step()` with no backward since the last one: nothing to count or apply
-        (torch warns alike for a scheduler stepped before its optimizer). Warns once."""
-        if self.passes_since_step:
+        """`engine.step()` at a boundary whose whole window ran no backward: nothing to count
+        or apply (torch warns alike for a scheduler stepped before its optimizer). Warns once."""
+        if self.window_passes or not self.is_boundary():
             return False
         if not self._warned_no_gradient:
             self._warned_no_gradient = True
-            message = ("engine.step() was called with no engine.backward() since the last step: there "
-                       "is no gradient to apply, so nothing was done (global_steps, the micro-batch "
-                       "count and the LR schedule stay where they are). Call engine.backward(loss) "
-                       "before each engine.step()")
+            message = ("engine.step() ends an accumulation window in which no engine.backward() ran: "
+                       "there is no gradient to apply, so nothing was done (global_steps, the "
+                       "micro-batch count and the LR schedule stay where they are). Call "
+                       "engine.backward(loss) before each engine.step()")
             logger.warning(message)
             warnings.warn(message, UserWarning, stacklevel=3)
         return True
@@ -259,7 +229,7 @@ class StepPolicy:
     def skip_for_loss(self, value: float) -> None:
         """The micro-batch with loss `value` ran no backward: skip this step at its boundary,
         or raise (nonfinite_loss='raise')."""
-        self.passes_since_step += 1  # a micro-batch all the same: its step() counts it
+        self.window_passes += 1  # a micro-batch all the same: its step counts (skipped)
         if self.config.nonfinite_loss == "raise":
             where = f"loss {value}" if not math.isfinite(value) else "a non-finite loss on another rank"
             raise FloatingPointError(
@@ -275,7 +245,7 @@ class StepPolicy:
         """Decide, once per backward pass, whether units update as their gradients finish
         ([Note: several backward passes per step])."""
         self.pass_updates = 0
-        self.passes_since_step += 1
+        self.window_passes += 1
         self._norm = None  # the gradients are about to change
         at_boundary = self.is_boundary()
         self.boundary_passes += int(at_boundary)
@@ -498,17 +468,8 @@ class StepPolicy:
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
 
     def _nonfinite_units(self) -> str:
-        """The units whose gradient is non-finite on some rank, named (one all-reduce; every
-        rank calls it, having seen the same non-finite norm)."""
-        flags = torch.tensor([0.0 if (sq := _sum_of_squares(st)) is None or math.isfinite(float(sq)) else 1.0
-                              for st in self.states], dtype=torch.float32)
-        if self.pg.world_size > 1 and flags.numel():
-            flags = self._all_reduce(flags, "max")
-        names = [st.unit.name or "<root>" for st, f in zip(self.states, flags.tolist()) if f]
-        if not names:
-            return "no unit's gradient alone (their squares overflowed in the sum)"
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        return f"unit{'s' if len(names) > 1 else ''} {shown}"
+        return nonfinite_units([_sum_of_squares(st) for st in self.states], [st.unit.name for st in self.states],
+                               lambda flags: self._all_reduce(flags, "max") if self.pg.world_size > 1 else flags)
 
     # -- what the user asks of this step's gradients -----------------------------------------
 
@@ -555,7 +516,7 @@ class StepPolicy:
         """Forget the gradients accumulated since the last step (the step's own clearing,
         `engine.zero_grad()`, a checkpoint load)."""
         self.optimizer.clear_grads()
-        self.window_lost = None
+        self.lost.clear()
         self._sum_sq = {}
         self._norm = None
         self.clip_request = None
@@ -617,12 +578,6 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
-
-
-def may_update_in_backward(config: Config) -> bool:
-    """Whether `config`'s non-finite guard lets updates run during backward: only with it
-    off ([Note: no non-finite value is applied])."""
-    return config.nonfinite_loss == "off"
 
 
 def uses_worker(config: Config, device: torch.device, nvme: bool) -> bool:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 # One alignment rule for the whole project: offload.sizes' (O_DIRECT's 4 KiB).
 from offload.sizes import ALIGNMENT as PAGE_BYTES
 from offload.sizes import align_up, format_bytes
+from offload.storage.mounts import filesystem_type, mount_of  # filesystem_type: documented here too
 
 if TYPE_CHECKING:  # annotations only: this module runs without the native I/O engine
     import torch
@@ -159,34 +160,6 @@ class MemoryBackedSwapWarning(RuntimeWarning):
     """The swap directory is on a RAM-backed filesystem: the "NVMe" tiers take host memory."""
 
 
-def filesystem_type(path: str) -> Optional[str]:
-    """The type (`ext4`, `tmpfs`, ...) of the mount holding `path`, from /proc/self/mountinfo
-    (the longest mount point that contains the resolved path); None where it cannot be read."""
-    return mount_of(path)[1]
-
-
-def mount_of(path: str) -> tuple[Optional[str], Optional[str]]:
-    """(mount point, filesystem type) of the mount holding `path` ((None, None) where
-    /proc/self/mountinfo cannot be read)."""
-    real = os.path.realpath(path)
-    best: tuple[int, Optional[str], Optional[str]] = (-1, None, None)
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if " - " not in line or len(fields) < 5:
-                    continue
-                # Mount points escape spaces and the like as octal (\040).
-                mount = fields[4].encode().decode("unicode_escape")
-                fstype = line.split(" - ", 1)[1].split()[0]
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > best[0]:
-                    best = (len(mount), mount, fstype)
-    except OSError:
-        return None, None
-    return best[1], best[2]
-
-
 def memory_backed(path: str, key: str = "offload.nvme_path") -> Optional[str]:
     """What to tell a user whose swap directory `path` is on tmpfs or another RAM-backed
     filesystem (whose "disk" is the host memory the NVMe tiers exist to spare), in one line;
@@ -248,7 +221,7 @@ def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
     OSError naming `key`, the path and the fix, as `check_swap_dir`'s are."""
     if path and not os.path.exists(path):
         parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
+        if not os.path.exists(parent):  # (a file there: makedirs' ENOTDIR below says so)
             raise FileNotFoundError(
                 errno.ENOENT, f"{key} {path!r} does not exist, and neither does its parent "
                 f"{parent!r} (a mistyped mount point, or a disk not mounted?): offload creates the "
