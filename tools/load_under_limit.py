@@ -117,9 +117,9 @@ def working_set_bytes(shape: LlamaShape, dtype: str) -> int:
 
 def engine_config(dtype: str, nvme_path: str, pinned_budget: int) -> dict[str, Any]:
     """The engine's config: compute on the CPU in the checkpoint's dtype, AdamW, both tiers
-    on NVMe (defaults otherwise: no clipping, the optimizer in backward, so gradient shards
-    are transient: docs/nvme.md)."""
-    return {"compute_device": "cpu",
+    on NVMe, no clipping and `nonfinite_loss: off`, so the updates run in backward and the
+    gradient shards are transient (the default guard holds them: docs/prefetch.md)."""
+    return {"compute_device": "cpu", "nonfinite_loss": "off",
             "precision": {"dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]},
             "optimizer": {"lr": 1e-5, "weight_decay": 0.0},
             "offload": {"param_tier": "nvme", "optimizer_tier": "nvme", "nvme_path": nvme_path,
