@@ -207,3 +207,86 @@ def test_mixtral_trains_as_plain_pytorch_at_world_size_2():
     out = run_distributed(train_mixtral, 2)
     assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
     mixtral_bound().check(out[0], "Mixtral ws2")
+
+
+# -- the model itself the leaf: DeepSpeed's TestSetZ3LeafModule, routing by rank --------------
+
+
+class ChooseByRank(nn.Module):
+    """DeepSpeed's ChooseModuleByRankModel (tanh for its ReLU: no kink for the fp32 bound):
+    each rank runs one of two layers, picked by its rank."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linears = nn.ModuleList([nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)])
+
+    def route(self) -> int:
+        return torch.distributed.get_rank() % 2 if torch.distributed.is_initialized() else 0
+
+    def half(self, x: torch.Tensor, y: torch.Tensor, r: int) -> torch.Tensor:
+        x = x.to(self.linears[0].weight.dtype)
+        return nn.functional.cross_entropy(torch.tanh(self.linears[r](x)), y)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.half(x, y, self.route())
+
+
+class BothRanks(ChooseByRank):
+    """The plain PyTorch reference of two ranks averaging gradients: the batch's first half
+    through layer 0, its second through layer 1, the mean of the two losses."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n = x.shape[0] // 2
+        return (self.half(x[:n], y[:n], 0) + self.half(x[n:], y[n:], 1)) / 2
+
+
+def by_rank_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g)) for _ in range(3)]
+
+
+def _by_rank(rank: int, world_size: int, how: str, nonfinite: str) -> dict:
+    import offload.compat.deepspeed as deepspeed
+
+    m = ChooseByRank()
+    dotted = f"{ChooseByRank.__module__}.{ChooseByRank.__qualname__}"
+    if how == "deepspeed":
+        conf = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": 3, "leaf_module": {"classes": [dotted]}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=conf)
+        assert engine.config.nonfinite_loss == nonfinite  # fp32: the guard's default
+    else:
+        cfg = dataclasses.replace(make_config(), optimizer=dataclasses.replace(make_config().optimizer, lr=1e-2),
+                                  nonfinite_loss=nonfinite, leaf_modules=(dotted,) if how == "config" else ())
+        engine = offload.initialize(m, cfg)
+    assert [u.name for u in engine.units] == ([""] if how != "none" else ["", "linears.0", "linears.1"])
+    for x, y in by_rank_batches():
+        engine.backward(engine(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4])[1])
+        engine.step()
+    sd = engine.full_state_dict()
+    engine.close()
+    return sd
+
+
+def by_rank_reference(**kw) -> dict:
+    from tests.parity import plain_loop
+
+    return plain_loop(BothRanks, by_rank_batches(), lr=1e-2, weight_decay=make_config().optimizer.weight_decay, **kw)
+
+
+@pytest.mark.parametrize("how,nonfinite", [("deepspeed", "skip"), ("config", "off")])
+def test_the_model_class_as_its_own_leaf_trains_per_rank_routing_as_plain_pytorch(how, nonfinite):
+    bound = Fp32Bound.measure(by_rank_reference)
+    out = run_distributed(_by_rank, 2, how, nonfinite)
+    bound.check(out[0], f"per-rank routing, the model a leaf ({how}, nonfinite_loss {nonfinite})")
+
+
+@pytest.mark.parametrize("nonfinite", ["off", "skip"])
+def test_ranks_that_reduce_different_units_fail_naming_leaf_modules(nonfinite):
+    """Without a leaf, rank 0 reduces linears.0 and rank 1 linears.1: same shapes, so the
+    collectives pair silently; caught before any update (in backward, or at step())."""
+    with pytest.raises(RuntimeError, match="ran different submodules.*leaf_modules"):
+        run_distributed(_by_rank, 2, "none", nonfinite)

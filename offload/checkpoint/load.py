@@ -135,13 +135,27 @@ def load_checkpoint(
     sharded.optimizer.clear_grads()  # gradients of the interrupted step go
     io = staging or CheckpointStaging()
     try:
-        load_units(sharded, path, saved, small["slot_steps"], io, window=window, copy_to_swap=copy_to_swap,
+        steps = small["slot_steps"] if same else _steps_of_every_rank(path, saved)
+        load_units(sharded, path, saved, steps, io, window=window, copy_to_swap=copy_to_swap,
                    moments=parts.moments)
     finally:
         if staging is None:
             io.close()
     _restore_small_state(sharded, small, restore_rng=sharded.rank < saved["world_size"], parts=parts)
     return path, small["client_state"]
+
+
+def _steps_of_every_rank(path: str, saved: dict[str, Any]) -> dict[str, int]:
+    """Each parameter's step count for a load at another world size: the largest any saving
+    rank recorded. Every rank counts every updated parameter, but a checkpoint written before
+    that was so has 0 on a rank whose shard of a unit held only padding or frozen values, and
+    re-sharding may hand that rank's successor real elements: Adam's bias correction would then
+    restart, a silently different update."""
+    steps: dict[str, int] = {}
+    for rank in range(saved["world_size"]):
+        for name, step in read_rank_state(path, saved, rank)["slot_steps"].items():
+            steps[name] = max(int(step), steps.get(name, 0))
+    return steps
 
 
 def read_rank_state(path: str, saved: dict[str, Any], rank: int) -> dict[str, Any]:

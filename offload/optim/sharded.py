@@ -87,6 +87,10 @@ class UnitOptimizerState:
     slot_has_grad: list[bool] = field(default_factory=list)
     grad_valid: bool = False
     """False until the first micro-batch of a step writes `grad` (then later ones add)."""
+    grad_reduces: int = 0
+    """Reduce-scatters into `grad` since it was last cleared. Every rank must make the same:
+    a unit reduced on one rank and not on another pairs unlike collectives (the step policy
+    checks it before any update: `offload.runtime.optimizer_step`)."""
     grad_unaveraged: bool = False
     """HSDP: `grad` holds sums of this step's reductions not yet averaged across the replicas
     ([Note: HSDP averages once per step] in offload/units/hybrid.py)."""
@@ -240,6 +244,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         work = [i for i in self._work if i not in skip]
         for i, t in self.store.stream(work, self._scratch_bytes):
             self._update(self.unit_states[i], t, adam, grad_scale)
+        for st in self.unit_states:
+            if st.unit.index not in self._work_set and st.unit.index not in skip:
+                st.slot_steps = _counted_steps(st)
 
     @torch.no_grad()
     def update_unit(self, index: int, grad_scale: float) -> bool:
@@ -247,6 +254,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Its state comes from a read started by `prefetch_units` when there is one. Returns
         False when the unit has nothing to optimize."""
         if index not in self._work_set:
+            st = self.unit_states[index]
+            st.slot_steps = _counted_steps(st)
             return False
         t = self.store.checkout(index, self._scratch_bytes(index))
         try:
@@ -266,11 +275,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             limit=len(indices))
 
     def _update(self, st: UnitOptimizerState, t: UnitTensors, adam: UpdateFn, grad_scale: float) -> None:
-        active = [
-            has and slot.group != FROZEN_GROUP
-            for has, slot in zip(st.slot_has_grad, st.layout.slots)
-        ]
-        new_steps = [s + 1 if a else s for s, a in zip(st.slot_steps, active)]
+        active = _active_slots(st)
+        new_steps = _counted_steps(st)
         runs = update_runs(st.layout, self.rank, active, new_steps)
         lowp = self._lowp_target(st, t)
         if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
@@ -498,6 +504,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for st in self.unit_states:
             st.grad_valid = False
             st.grad_unaveraged = False
+            st.grad_reduces = 0
             st.slot_has_grad = [False] * len(st.slot_has_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -567,3 +574,16 @@ ShardedAdam = ShardedOptimizer
 
 __all__ = ["ShardedOptimizer", "ShardedAdam", "UnitOptimizerState", "resolve_param_groups",
            "host_state_zeros", "host_state_bytes", "transient_grad_shards"]
+
+
+def _active_slots(st: UnitOptimizerState) -> list[bool]:
+    """The unit's parameters this step updates: trained ones with a gradient on some rank."""
+    return [has and slot.group != FROZEN_GROUP for has, slot in zip(st.slot_has_grad, st.layout.slots)]
+
+
+def _counted_steps(st: UnitOptimizerState) -> list[int]:
+    """The unit's step counts after this step: one more for each updated parameter, on every
+    rank, whether or not this rank's shard holds any of it (a rank whose shard of the unit is
+    all padding or frozen values still counts: a checkpoint re-sharded to another world size
+    may give that rank elements of the parameter, and Adam's bias correction reads the count)."""
+    return [s + 1 if a else s for s, a in zip(st.slot_steps, _active_slots(st))]

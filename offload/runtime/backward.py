@@ -127,7 +127,7 @@ class BackwardTracker:
         self.at_boundary = True
         """This pass ends the step's accumulation window (set per pass by the engine)."""
         self.scratch = GradScratch(states, enabled=share_scratch and transient_grads and self.world_size == 1)
-        self._before: list[tuple[bool, bool, list[bool]]] = []
+        self._before: list[tuple[bool, bool, list[bool], int]] = []
         """Each unit's gradient-shard flags as the current pass began (`abort` restores them)."""
         self._reduced: set[int] = set()
         """Units this pass has reduced into their shard."""
@@ -192,7 +192,8 @@ class BackwardTracker:
         if self.state is Pass.BACKWARD:
             return False
         self.state = Pass.BACKWARD
-        self._before = [(st.grad_valid, st.grad_unaveraged, list(st.slot_has_grad)) for st in self.states]
+        self._before = [(st.grad_valid, st.grad_unaveraged, list(st.slot_has_grad), st.grad_reduces)
+                        for st in self.states]
         self._reduced = set()
         return True
 
@@ -226,6 +227,7 @@ class BackwardTracker:
             red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid, replicas=mean)
             self._reduced.add(unit.index)
             st.grad_valid = True
+            st.grad_reduces += 1
             st.grad_unaveraged = mean is ReplicaMean.LATER
             st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
             self._reduces.append((unit, red, t0))
@@ -302,12 +304,13 @@ class BackwardTracker:
         for i in sorted(self._reduced):
             if i >= len(self._before):
                 continue
-            valid, unaveraged, has = self._before[i]
+            valid, unaveraged, has, reduces = self._before[i]
             st = self.states[i]
             if valid:
                 exact = False  # the sum of earlier micro-batches has this pass's part in it
                 continue
             st.grad_valid, st.grad_unaveraged, st.slot_has_grad = valid, unaveraged, list(has)
+            st.grad_reduces = reduces
             st.grad_ready = None
         self._reduced = set()
         for unit in self.units:

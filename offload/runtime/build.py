@@ -57,7 +57,7 @@ from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.full_buffers import FullBuffers
-from offload.units.partition import ParamRecord, UnitPlan, plan_units
+from offload.units.partition import ParamRecord, UnitPlan, is_leaf_module, plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
 __all__ = ["Built", "build", "release_storage", "acquire_storage", "zero_unwritten"]
@@ -107,7 +107,7 @@ def build(
     keep_fp32 = check_keep_in_fp32(model, config.precision, dtype)
     plans = plan_units(model, config.unit_modules, config.leaf_modules)
     if pg.rank == 0:
-        warn_one_big_unit(plans, config.unit_modules)
+        warn_one_big_unit(plans, config.unit_modules, config.leaf_modules)
     groups, group_of, kind = resolve_param_groups(model, config.optimizer, optimizer)
     specs = kind.specs(config.optimizer.moments_dtype)
     planned = _plan_layouts(plans, group_of, pg.world_size, param_align(specs, PARAM_ALIGN_ELEMS))
@@ -134,16 +134,17 @@ def build(
     )
 
 
-def warn_one_big_unit(plans: list[UnitPlan], unit_modules: Sequence[str]) -> None:
+def warn_one_big_unit(plans: list[UnitPlan], unit_modules: Sequence[str], leaf_modules: Sequence[str] = ()) -> None:
     """Warn (logging and `warnings`) when one unit holds more than half of the parameters:
     a unit is gathered whole, so such a model pages little or nothing (a model without
-    repeated blocks in an nn.ModuleList is one unit, the root)."""
+    repeated blocks in an nn.ModuleList is one unit, the root). Not for a leaf module: the
+    user asked for it whole."""
     sizes = [sum(r.param.numel() for r in plan.params) for plan in plans]
     total = sum(sizes)
     if not total:
         return
     big = max(range(len(plans)), key=sizes.__getitem__)
-    if 2 * sizes[big] <= total:
+    if 2 * sizes[big] <= total or is_leaf_module(plans[big].module, leaf_modules):
         return
     name = plans[big].name or "the root (parameters outside every unit)"
     chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (each nn.ModuleList's blocks)"

@@ -149,6 +149,7 @@ class Gradients:
         summed into one tensor of the parameter's size (one all-reduce): bounded by the
         parameter, not its unit."""
         name, ui, si = self.locate(param)
+        self.policy.observe()  # [Note: the update mode is learned] in offload/runtime/update_mode.py
         st = self.states[ui]
         slot = self.units[ui].layout.slots[si]
         # Decided alike on every rank (the all-reduce below needs them all): a parameter no
@@ -161,8 +162,10 @@ class Gradients:
                 f"engine.full_grad({name!r}): its gradient shard was consumed by the unit's "
                 "optimizer update during backward (prefetch.optimizer_in_backward, the default, "
                 "releases each shard after its update on a CPU run whose updates all run in "
-                "backward). Set prefetch.optimizer_in_backward=false for runs, or steps, whose "
-                "gradients you inspect"
+                "backward: nonfinite_loss 'off', one micro-batch a step, no clipping). For runs "
+                "whose gradients you inspect, keep nonfinite_loss='skip' (the default: the "
+                "shards are held and the updates run at engine.step()) or set "
+                "prefetch.optimizer_in_backward=false"
             )
         flat = torch.zeros(slot.numel + 1, dtype=torch.float32)
         part = self.units[ui].layout.slot_in_shard(slot, self.pg.rank)

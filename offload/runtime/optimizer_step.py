@@ -28,7 +28,9 @@ A loop may call `engine.backward()` more than once before `engine.step()` withou
 the accumulation boundary (a loss computed in parts, each part's backward run as soon as it
 is ready). DeepSpeed accumulates such passes, and so does the engine. An update that runs
 during a backward pass cannot take a later pass's gradients, and nothing at a pass's start
-says whether another will follow before `step()`, so the policy learns the pattern:
+says whether another will follow before `step()`, so the policy learns the pattern
+(`Pattern` in offload/runtime/update_mode.py, which learns reads into the window too:
+[Note: the update mode is learned]):
 - It counts the backward passes begun at a boundary since the last `step()`
   (`boundary_passes`; a pass the user marked with `set_gradient_accumulation_boundary(False)`,
   DeepSpeed's way, is accumulation and does not count).
@@ -70,11 +72,15 @@ from typing import Any, Optional
 
 import torch
 
+from offload.runtime.agreement import agree_on_step, agree_on_unit
 from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
 from offload.runtime.optimizer_worker import OptimizerWorker
+from offload.runtime.step_scale import Outcome, needs_norm, step_scale
 from offload.runtime.timeline import Timeline, now
+from offload.runtime.update_mode import (Eligibility, Pattern, Site, learn, observed, second_pass_message,
+                                         site_of_updates)
 from offload.runtime.view import Schedule, StepCounters
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.hybrid import average_shard_across_replicas
@@ -125,13 +131,9 @@ class StepPolicy:
         self._warned_no_gradient = False
         self.lost = LostWindow()
         """A failed backward that left this window's sums part-added (until `discard_gradients`)."""
-        self._learned = False
-        """A boundary micro-batch with a backward pass has been seen (the learning step)."""
-        self._multi_pass = False
-        """A boundary micro-batch ran several backward passes: boundaries update at step()."""
-        self._user_clips = False
-        """`engine.clip_grad_norm_` was called (it needs the whole gradient before any
-        update): boundaries update at step(), as for several passes."""
+        self.pattern = Pattern.LEARNING
+        """What the user's boundary micro-batches do ([Note: the update mode is learned] in
+        offload/runtime/update_mode.py)."""
         self.updated: set[int] = set()
         """Units whose update already ran during this step's backward."""
         self.pass_updates = 0
@@ -140,6 +142,7 @@ class StepPolicy:
         """A non-finite loss seen in this accumulation step (nonfinite_loss='skip')."""
         self._hyper_at_backward: Optional[list[tuple]] = None
         self._warned_hyper = False
+        self._warned_read = False
         self._sum_sq: dict[int, torch.Tensor] = {}
         """Unit index -> its gradient's sum of squares (float64), taken before its update
         during backward ([Note: the norm of every step])."""
@@ -188,9 +191,8 @@ class StepPolicy:
         if boundary:
             self.window_passes = 0
         self.counters.micro_steps += 1
-        if boundary and self.boundary_passes:
-            self._learned = True
-            self._multi_pass |= self.boundary_passes > 1
+        if boundary:
+            self.pattern = learn(self.pattern, self.boundary_passes)
         self.boundary_passes = 0
         return boundary
 
@@ -252,43 +254,43 @@ class StepPolicy:
         if self.updated:
             # Raised at the first moment anything shows a second pass: the updates ran
             # during the first one, when nothing said another would follow.
-            self._multi_pass = True  # a run without transient shards accumulates from now on
-            raise RuntimeError(self._second_pass_message())
-        in_backward = (
-            self.config.prefetch.optimizer_in_backward
-            and may_update_in_backward(self.config)  # [Note: no non-finite value is applied]
-            and self._nonfinite_loss is None  # this step will be skipped
-            and float(self.config.gradient_clipping) <= 0.0
-            and self.dtype != torch.float16
-            and self.scaler.scale == 1.0
-            and at_boundary
-            and self.boundary_passes == 1  # a later pass adds to what the first one left
-            # learned: every boundary so far ran one pass (transient shards: from the start)
-            and (self.transient_grads or (self._learned and not self._multi_pass and not self._user_clips))
+            self.pattern = learn(self.pattern, 2)  # a run without transient shards accumulates from now on
+            raise RuntimeError(second_pass_message(self.transient_grads, self.step_index))
+        eligible = Eligibility(
+            enabled=self.config.prefetch.optimizer_in_backward,
+            whole_gradient_first=(
+                not may_update_in_backward(self.config)  # [Note: no non-finite value is applied]
+                or self._nonfinite_loss is not None  # this step will be skipped
+                or float(self.config.gradient_clipping) > 0.0
+                or self.dtype == torch.float16
+                or self.scaler.scale != 1.0
+            ),
+            at_boundary=at_boundary,
+            first_pass=self.boundary_passes == 1,  # a later pass adds to what the first one left
         )
+        in_backward = site_of_updates(eligible, self.pattern, self.transient_grads) is Site.IN_BACKWARD
         self.mode = StepMode.IN_BACKWARD if in_backward else StepMode.AT_STEP
         return self.mode
 
-    def _second_pass_message(self) -> str:
-        if self.transient_grads:
-            why = ("this run updates during the first backward of every step: it keeps each "
-                   "gradient shard only from its reduce to its update (a CPU run, "
-                   "gradient_accumulation_steps 1, no clipping: transient gradient shards), so "
-                   "it cannot hold a step's gradients for a later backward")
-        else:
-            why = ("every step so far ran one backward, so this step's updates ran during its "
-                   "first; from the next step on, the engine accumulates several backward "
-                   "passes and updates at engine.step()")
-        return (
-            f"a second engine.backward() before engine.step() at optimizer step "
-            f"{self.step_index}, after the first one already ran this step's optimizer updates "
-            f"during backward (prefetch.optimizer_in_backward): {why}. The weights hold the "
-            "first backward's update; this backward was refused and added no gradient. Call "
-            "engine.set_gradient_accumulation_boundary(False) before every engine.backward() of "
-            "a step but the last, and set_gradient_accumulation_boundary(True) (or None) before "
-            "the last (DeepSpeed's way: they accumulate, the last one updates), or set "
-            "prefetch.optimizer_in_backward=false; call engine.step() to finish this step"
-        )
+    def observe(self) -> None:
+        """Something reads or changes gradients or weights (or clips) now: where that is
+        between a boundary backward and `step()`, the run's later steps update at `step()`
+        ([Note: the update mode is learned])."""
+        if self.boundary_passes and self.is_boundary():
+            self.pattern = observed(self.pattern)
+
+    def warn_read_after_update(self, what: str) -> None:
+        """A read of state this step's backward already updated: it shows the value after the
+        update (plain PyTorch would show it before). Warned once; later steps update at step()."""
+        if self._warned_read:
+            return
+        self._warned_read = True
+        warnings.warn(
+            f"{what} was read between engine.backward() and engine.step() after this step's update "
+            "ran during backward (prefetch.optimizer_in_backward): it is the value after this step. "
+            "From the next step on the engine updates at engine.step(), so such reads see the value "
+            "before it, as in plain PyTorch; set prefetch.optimizer_in_backward=false to have it so "
+            "from the first step", RuntimeWarning, stacklevel=4)
 
     def check_gradients_wanted(self, unit: FlatUnit) -> None:
         """Raise when `unit` would receive gradients after its update ran in backward."""
@@ -330,9 +332,7 @@ class StepPolicy:
             # Which parameters got a gradient on any rank (the step's sync_has_grad, for this
             # unit now): every rank reduces units in the same order, so this matches.
             t0 = now()
-            flags = torch.tensor([float(h) for h in st.slot_has_grad], dtype=torch.float32)
-            flags = self._all_reduce(flags, "max")
-            st.slot_has_grad = [bool(v) for v in flags.tolist()]
+            agree_on_unit(st, self.pg.rank, self._all_reduce)  # and that every rank is at this unit
             tl.count("collective", now() - t0)
         if self._hyper_at_backward is None:
             self._hyper_at_backward = self._hyperparameters()
@@ -386,53 +386,18 @@ class StepPolicy:
         self.optimizer.prefetch(skip)
         self._sync_has_grad()
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
-        overflow = False
-        if self.dtype == torch.float16:
-            flag = torch.zeros(1, dtype=torch.float32)
-            for st in self.states:
-                g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
-                if g.numel() and not torch.isfinite(g).all():
-                    flag.fill_(1.0)
-                    break
-            overflow = bool(self._all_reduce(flag, "max").item())
-        if self._nonfinite_loss is not None:
-            logger.warning(
-                "optimizer step %d skipped: a micro-batch's loss was %s (nonfinite_loss='skip'); "
-                "%d step(s) skipped so far", self.step_index, self._nonfinite_loss,
-                self.counters.skipped_steps + 1,
-            )
-            overflow = True
-            self._nonfinite_loss = None
+        overflow = self._fp16_overflow()
+        lost_loss, self._nonfinite_loss = self._nonfinite_loss, None
+        norm = None
+        if needs_norm(overflow, lost_loss is not None):
+            # reported every step ([Note: the norm of every step]); used if clipping
+            norm = self._norm if self._norm is not None else self._grad_norm(unscale)
         clip = float(self.config.gradient_clipping) if self.clip_request is None else self.clip_request
-        grad_scale: Optional[float] = unscale
-        nonfinite: Optional[FloatingPointError] = None
-        if not overflow:
-            # reported every step ([Note: the norm of every step]); used below if clipping
-            total = self._norm if self._norm is not None else self._grad_norm(unscale)
-            self.counters.last_grad_norm = total
-        # A finite loss with non-finite gradients (bf16/fp32): the same guard, whenever no
-        # unit was updated during backward yet (then the step is still whole to skip).
-        if not overflow and not skip and self.config.nonfinite_loss != "off":
-            if not math.isfinite(total):
-                where = self._nonfinite_units()
-                if self.config.nonfinite_loss == "raise":
-                    nonfinite = FloatingPointError(
-                        f"a non-finite gradient at optimizer step {self.step_index} (the norm is "
-                        f"{total}), in {where}: the step was skipped on every rank, nothing was "
-                        "applied; skip this batch and go on, lower the learning rate, or set "
-                        "nonfinite_loss='skip' to skip such steps without raising"
-                    )
-                else:
-                    logger.warning("optimizer step %d skipped: a non-finite gradient (the norm is "
-                                   "%s) in %s (nonfinite_loss='skip'); %d step(s) skipped so far",
-                                   self.step_index, total, where, self.counters.skipped_steps + 1)
-                overflow = True
-        if not overflow and clip > 0.0:
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
-            grad_scale = unscale * min(1.0, clip / (total + 1e-6))
-        if overflow:
-            grad_scale = None
-            self.counters.last_grad_norm = float("inf")
+        scale = step_scale(unscale=unscale, overflow=overflow, nonfinite_loss=lost_loss is not None, norm=norm,
+                           guard=self.config.nonfinite_loss, updated_in_backward=bool(skip), clip=clip)
+        nonfinite = self._say_skipped(scale.outcome, lost_loss, norm)
+        self.counters.last_grad_norm = scale.reported_norm
+        grad_scale, overflow = scale.grad_scale, scale.outcome.skipped
         tl = self.timeline
         io0 = self._io_wait()
         t0 = now()
@@ -454,6 +419,37 @@ class StepPolicy:
                 self.lr_scheduler.step()
         self.discard_gradients()
         return nonfinite
+
+    def _fp16_overflow(self) -> bool:
+        """fp16: whether any rank's gradient shard holds an inf or NaN (one all-reduce)."""
+        if self.dtype != torch.float16:
+            return False
+        flag = torch.zeros(1, dtype=torch.float32)
+        for st in self.states:
+            g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
+            if g.numel() and not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        return bool(self._all_reduce(flag, "max").item())
+
+    def _say_skipped(self, outcome: Outcome, loss: Optional[float], norm: Optional[float]
+                     ) -> Optional[FloatingPointError]:
+        """Log a step skipped for a non-finite value; returns the error `raise` wants."""
+        skipped = self.counters.skipped_steps + 1
+        if outcome is Outcome.NONFINITE_LOSS:
+            logger.warning("optimizer step %d skipped: a micro-batch's loss was %s (nonfinite_loss='skip'); "
+                           "%d step(s) skipped so far", self.step_index, loss, skipped)
+        elif outcome is Outcome.NONFINITE_GRAD:
+            logger.warning("optimizer step %d skipped: a non-finite gradient (the norm is %s) in %s "
+                           "(nonfinite_loss='skip'); %d step(s) skipped so far", self.step_index, norm,
+                           self._nonfinite_units(), skipped)
+        elif outcome is Outcome.NONFINITE_GRAD_RAISE:
+            return FloatingPointError(
+                f"a non-finite gradient at optimizer step {self.step_index} (the norm is {norm}), in "
+                f"{self._nonfinite_units()}: the step was skipped on every rank, nothing was applied; "
+                "skip this batch and go on, lower the learning rate, or set nonfinite_loss='skip' to "
+                "skip such steps without raising")
+        return None
 
     def _grad_norm(self, unscale: float) -> float:
         """The global norm of this step's gradients, un-scaled: one all-reduce (every rank
@@ -497,7 +493,7 @@ class StepPolicy:
             self.average_across_replicas()
             self._norm = self._grad_norm(1.0 / (self.scaler.scale * gas))
         self.clip_request = float(max_norm)
-        self._user_clips = True  # learned as several passes are: later steps update at step()
+        self.observe()  # learned as several passes are: later steps update at step()
         return self._norm
 
     def average_across_replicas(self) -> None:
@@ -557,21 +553,10 @@ class StepPolicy:
         )
 
     def _sync_has_grad(self) -> None:
-        """Agree across ranks on which parameters got a gradient this step (a parameter
-        skipped on one rank but not another is updated everywhere with the average)."""
-        if self.pg.world_size == 1:
-            return
-        flags = torch.tensor(
-            [float(h) for st in self.states for h in st.slot_has_grad], dtype=torch.float32
-        )
-        if flags.numel() == 0:
-            return
-        flags = self._all_reduce(flags, "max")
-        i = 0
-        for st in self.states:
-            n = len(st.slot_has_grad)
-            st.slot_has_grad = [bool(v) for v in flags[i : i + n].tolist()]
-            i += n
+        """Agree across ranks on which parameters got a gradient this step, and that every
+        rank reduced the same units (offload/runtime/agreement.py)."""
+        if self.pg.world_size > 1:
+            agree_on_step(self.states, self.pg.rank, self._all_reduce)
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         return all_reduce_host(t, op, self.pg, self.device)

@@ -117,6 +117,9 @@ class ParamState:
         if err is not None:
             raise err
         name, ui, si = self.grads.locate(param)
+        if not writing and self.policy.updated and ui in self.policy.updated:
+            self.policy.warn_read_after_update(f"{name}'s master weight or optimizer state")
+        self.policy.observe()  # [Note: the update mode is learned]
         if writing and self.units[ui].layout.slots[si].group == FROZEN_GROUP:
             raise ValueError(f"{name} is frozen (requires_grad=False at initialize): it has no fp32 "
                              "master or optimizer state to set")

@@ -17,7 +17,7 @@ before any unit's and its post-backward after every unit's, so this is always sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 from torch import nn
 
@@ -60,19 +60,25 @@ def class_names(module: nn.Module) -> tuple[str, str]:
     return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
 
 
+def is_leaf_module(module: nn.Module, leaf_modules: Collection[str]) -> bool:
+    """Whether `module` is a leaf: marked (`LEAF_ATTR`), or of a class `leaf_modules` names."""
+    return marked_leaf(module) or not set(leaf_modules).isdisjoint(class_names(module))
+
+
 def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
                leaf_modules: Sequence[str] = ()) -> list[UnitPlan]:
     """Split `model` into units; index 0 is the root. Units without parameters are dropped
     (nothing to gather), the root is always present. A leaf module (its class in
     `leaf_modules`, short or module-qualified, or marked with `LEAF_ATTR`) is a unit whole,
-    whatever the other policy says of it or of what it holds (experts in a ModuleList)."""
+    whatever the other policy says of it or of what it holds (experts in a ModuleList); the
+    model a leaf is the root alone."""
     wanted = set(unit_modules)
     leaves = set(leaf_modules)
     unit_mods: list[tuple[str, nn.Module]] = []
     seen_units: set[int] = set()
 
     def is_leaf(m: nn.Module) -> bool:
-        return marked_leaf(m) or not leaves.isdisjoint(class_names(m))
+        return is_leaf_module(m, leaves)
 
     def visit(module: nn.Module, prefix: str, inside_unit: bool) -> None:
         for child_name, child in module.named_children():
@@ -90,7 +96,11 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
             else:
                 visit(child, fqn + ".", inside_unit)
 
-    visit(model, "", False)
+    # The model itself a leaf (DeepSpeed's leaf_module naming the model's class, as its
+    # tests do for a model that routes per rank): one unit, the root, holds everything.
+    root_leaf = is_leaf(model)
+    if not root_leaf:
+        visit(model, "", False)
     if leaves:
         found = {n for m in model.modules() for n in class_names(m)}
         missing = sorted(leaves - found)
@@ -99,7 +109,7 @@ def plan_units(model: nn.Module, unit_modules: Sequence[str] = (),
                 f"leaf_modules names {missing}, but the model has no module of that class; "
                 f"module classes present: {sorted({type(m).__name__ for m in model.modules()})}"
             )
-    if wanted:
+    if wanted and not root_leaf:
         found = {type(m).__name__ for _, m in unit_mods}
         missing = sorted(wanted - found - {type(model).__name__})
         if missing:
