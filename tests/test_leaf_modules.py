@@ -232,13 +232,19 @@ class ChooseByRank(nn.Module):
         return x, self.half(x, y, self.route())
 
 
-class BothRanks(ChooseByRank):
-    """The plain PyTorch reference of two ranks averaging gradients: the batch's first half
-    through layer 0, its second through layer 1, the mean of the two losses."""
+class EveryRank(ChooseByRank):
+    """The plain PyTorch reference of `ranks` ranks averaging gradients: rank r's slice of
+    the batch through layer r % 2, the mean of the ranks' losses."""
+
+    ranks = 2
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        n = x.shape[0] // 2
-        return (self.half(x[:n], y[:n], 0) + self.half(x[n:], y[n:], 1)) / 2
+        n = x.shape[0] // self.ranks
+        return sum(self.half(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n], r % 2) for r in range(self.ranks)) / self.ranks
+
+
+class FourRanks(EveryRank):
+    ranks = 4
 
 
 def by_rank_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -252,7 +258,7 @@ def _by_rank(rank: int, world_size: int, how: str, nonfinite: str) -> dict:
     m = ChooseByRank()
     dotted = f"{ChooseByRank.__module__}.{ChooseByRank.__qualname__}"
     if how == "deepspeed":
-        conf = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        conf = {"train_micro_batch_size_per_gpu": 8 // world_size, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                 "zero_optimization": {"stage": 3, "leaf_module": {"classes": [dotted]}}}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -263,25 +269,29 @@ def _by_rank(rank: int, world_size: int, how: str, nonfinite: str) -> dict:
                                   nonfinite_loss=nonfinite, leaf_modules=(dotted,) if how == "config" else ())
         engine = offload.initialize(m, cfg)
     assert [u.name for u in engine.units] == ([""] if how != "none" else ["", "linears.0", "linears.1"])
+    n = 8 // world_size
     for x, y in by_rank_batches():
-        engine.backward(engine(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4])[1])
+        engine.backward(engine(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])[1])
         engine.step()
     sd = engine.full_state_dict()
     engine.close()
     return sd
 
 
-def by_rank_reference(**kw) -> dict:
+def by_rank_reference(world_size: int = 2, **kw) -> dict:
     from tests.parity import plain_loop
 
-    return plain_loop(BothRanks, by_rank_batches(), lr=1e-2, weight_decay=make_config().optimizer.weight_decay, **kw)
+    return plain_loop(EveryRank if world_size == 2 else FourRanks, by_rank_batches(), lr=1e-2,
+                      weight_decay=make_config().optimizer.weight_decay, **kw)
 
 
-@pytest.mark.parametrize("how,nonfinite", [("deepspeed", "skip"), ("config", "off")])
-def test_the_model_class_as_its_own_leaf_trains_per_rank_routing_as_plain_pytorch(how, nonfinite):
-    bound = Fp32Bound.measure(by_rank_reference)
-    out = run_distributed(_by_rank, 2, how, nonfinite)
-    bound.check(out[0], f"per-rank routing, the model a leaf ({how}, nonfinite_loss {nonfinite})")
+@pytest.mark.parametrize("world_size,how,nonfinite", [(2, "deepspeed", "skip"), (2, "config", "off"),
+                                                      (4, "deepspeed", "skip")])
+def test_the_model_class_as_its_own_leaf_trains_per_rank_routing_as_plain_pytorch(world_size, how, nonfinite):
+    bound = Fp32Bound.measure(lambda **kw: by_rank_reference(world_size, **kw))
+    out = run_distributed(_by_rank, world_size, how, nonfinite)
+    bound.check(out[0], f"per-rank routing at world size {world_size}, the model a leaf ({how}, "
+                f"nonfinite_loss {nonfinite})")
 
 
 @pytest.mark.parametrize("nonfinite", ["off", "skip"])
