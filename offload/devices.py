@@ -9,6 +9,8 @@ it. Every device comparison in offload goes through these two.
 
 from __future__ import annotations
 
+import enum
+
 from typing import Any, Union
 
 import torch
@@ -42,14 +44,65 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
     return canonical(da) == canonical(db)
 
 
-_SIDE_STREAMS: dict[tuple[str, torch.device], Any] = {}
+# [Note: streams and threads]
+# Every stream and thread the engine runs work on, what it overlaps, what waits on it, and
+# what it may touch. Streams (CUDA only; one per `StreamPurpose` and device, `side_stream`):
+# - the compute stream (torch's current stream): forward, backward, the all-gathers and
+#   reduce-scatters (NCCL on the current stream), the optimizer's updates of device-tier
+#   state. It waits on each side stream below at the named event, never on the host.
+# - `StreamPurpose.H2D` (runtime/prefetch.py): a unit's shard from pinned host memory to the
+#   device ahead of its use. Starts after the compute stream's work so far (the buffer it
+#   writes may have been read there); the compute stream waits on the fetch's event at the
+#   unit's gather. Touches only the full or pooled buffer the fetch owns.
+# - `StreamPurpose.D2H` (units/grad_reduce.py): a unit's reduced gradient from the device
+#   into its pinned host gradient shard, with the optimizer worker. Starts after the compute
+#   stream's reduce; the worker's update waits on its event on the host (`grad_ready`), the
+#   step at `engine.step()` likewise. Touches the gradient shard only.
+# - `StreamPurpose.UPLOAD` (optim/sharded.py): an updated device-tier shard from its pinned
+#   staging buffer to the device. Starts after the compute stream's work so far (the old
+#   values may still be read there); the compute stream waits on it at `settle_uploads`
+#   (before the next forward, a checkpoint, a state dict); a staging buffer is reused once
+#   its upload's event has passed.
+# - `StreamPurpose.ACTIVATIONS` (runtime/activations.py): activation checkpoints to host
+#   memory and back. The copy down starts after the inputs are computed; the copy back
+#   is waited on by the compute stream before the recomputation reads it.
+# Threads:
+# - the user's thread: forward, `engine.step()`, the step's updates at `step()`, NVMe
+#   reads and writes of the optimizer state (their completion waited on there).
+# - autograd's thread(s): backward, the unit hooks, the reduces, and the updates in
+#   backward when no worker runs them.
+# - the optimizer worker (runtime/optimizer_worker.py, "offload-optimizer"): the updates in
+#   backward on a CUDA run (`prefetch.optimizer_worker`); touches only the unit it updates
+#   (master, moments, gradient shard, staging buffer) and the upload stream; the step
+#   settles it before anything else reads those.
+# - the native I/O threads (csrc/aio): complete O_DIRECT reads and writes of pinned buffers
+#   they were handed; nothing in Python touches a buffer until its handle is waited on.
+# - short-lived pools: swap-file closing at exit (storage/nvme.py), checkpoint writes,
+#   verification and the NVMe read-ahead of a save (checkpoint/), each over buffers it owns
+#   until joined.
 
 
-def side_stream(device: DeviceLike, purpose: str) -> Any:
-    """The CUDA stream for `purpose` on `device` ("d2h" gradient copies, "activations"
-    host copies, ...): one per purpose and device for the process, made on first use, so
-    each kind of side copy is ordered among its own kind and overlaps the others."""
-    key = (purpose, canonical(device))
+class StreamPurpose(enum.Enum):
+    """What a side stream carries ([Note: streams and threads])."""
+
+    H2D = "h2d"
+    """Shards fetched ahead, pinned host -> device."""
+    D2H = "d2h"
+    """Reduced gradients, device -> pinned host shard (the optimizer worker's input)."""
+    UPLOAD = "upload"
+    """Updated device-tier shards, pinned staging -> device."""
+    ACTIVATIONS = "activations"
+    """Activation checkpoints, device <-> host."""
+
+
+_SIDE_STREAMS: dict[tuple[StreamPurpose, torch.device], Any] = {}
+
+
+def side_stream(device: DeviceLike, purpose: StreamPurpose) -> Any:
+    """The CUDA stream for `purpose` on `device`: one per purpose and device for the
+    process, made on first use, so each kind of side copy is ordered among its own kind and
+    overlaps the others ([Note: streams and threads])."""
+    key = (StreamPurpose(purpose), canonical(device))
     stream = _SIDE_STREAMS.get(key)
     if stream is None:
         stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1])

@@ -18,6 +18,7 @@ from offload.storage.swap import (
     check_free_space,
     check_swap_dir,
     plan_slots,
+    stale_swap_bytes,
     swap_bytes_needed,
 )
 from tests.fsutil import mounted_tmpfs
@@ -143,6 +144,31 @@ def test_a_live_run_holding_the_directory_is_an_error(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_free_space_check_survives_another_rank_opening_and_closing_the_directory(tmp_path):
+    """Every rank of a node checks the disk's free space (counting stale swap files) while
+    the others open and close their `SwapDirectory` there, and a clean close removes the
+    emptied directory: the look must take a directory, lock or file that vanishes mid-way
+    as freeing nothing (it raised FileNotFoundError from a world-size-2 NVMe run in CI)."""
+    churn = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from offload.storage.swap import SwapDirectory
+        print("ready", flush=True)
+        while True:
+            with SwapDirectory({str(tmp_path)!r}, rank=1) as d:
+                d.create("param", [4096])
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert churn.stdout.readline().strip() == "ready"
+        seen = set()
+        for _ in range(20000):
+            seen.add(stale_swap_bytes(str(tmp_path)))  # a live rank's files: never reclaimable
+            assert churn.poll() is None, "the other rank's open/close loop died"
+        assert seen == {0}
+    finally:
+        churn.kill()
+        churn.wait()
 
 
 def test_local_world_size_counts_the_ranks_that_share_this_node(monkeypatch):

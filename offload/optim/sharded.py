@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Seque
 import torch
 
 from offload.config.sections import Config
-from offload.devices import side_stream
+from offload.devices import StreamPurpose, side_stream
 from offload.optim.kind import OptimizerKind, UpdateFn
 from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
 from offload.sizes import ALIGNMENT, align_up
@@ -365,7 +365,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         far (which may still read the old values); the compute stream waits for it at
         `settle_uploads`, and the staging buffer is reused once its event has passed: no
         host wait here (issue #30, F9: a compute-stream sync per unit)."""
-        stream = self._upload_stream = side_stream(device, "upload")
+        stream = self._upload_stream = side_stream(device, StreamPurpose.UPLOAD)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self._store(t, unit, src)

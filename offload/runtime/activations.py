@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from offload.devices import side_stream
+from offload.devices import StreamPurpose, side_stream
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "ActivationSettings", "enter_engine", "leave_engine",
            "in_force"]
@@ -231,4 +231,4 @@ def _prefetch_next_recompute(current: _Region) -> None:
 
 
 def _side_stream(device: torch.device) -> Any:
-    return side_stream(device, "activations")
+    return side_stream(device, StreamPurpose.ACTIVATIONS)

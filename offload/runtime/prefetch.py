@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from offload.devices import compute_stream_event, side_stream
+from offload.devices import StreamPurpose, compute_stream_event, side_stream
 from offload.runtime.timeline import Timeline, now
 from offload.storage.tiers import Tier
 from offload.units.shard import FlatUnit
@@ -68,7 +68,7 @@ class Prefetcher:
                       else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
         if FetchMode.CUDA_COPY in self.modes:
-            self._stream = side_stream(units[0].device, "h2d")
+            self._stream = side_stream(units[0].device, StreamPurpose.H2D)
 
     @property
     def write_through(self) -> frozenset[int]:

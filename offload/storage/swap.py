@@ -112,9 +112,10 @@ def _try_lock(lock_path: str) -> Optional[int]:
     return fd
 
 
-def _same_file(fd: int, path: str) -> bool:
+def _same_file(fd: int, path: str, dir_fd: Optional[int] = None) -> bool:
+    """Whether `path` (relative to `dir_fd` when given) is still the file open at `fd`."""
     try:
-        st = os.stat(path)
+        st = os.stat(path, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     fst = os.fstat(fd)
@@ -124,29 +125,47 @@ def _same_file(fd: int, path: str) -> bool:
 def stale_swap_bytes(nvme_path: str) -> int:
     """Bytes of swap files under `nvme_path` that runs which are no longer alive left behind
     (their rank's lock is free): the next `SwapDirectory` opened there deletes them, so a
-    free-space check may count them as free ([Note: stale swap files])."""
+    free-space check may count them as free ([Note: stale swap files]).
+
+    Other ranks of this node open and close the same directory meanwhile (a rank's clean
+    close removes the directory once it is empty): every name is read relative to one open
+    descriptor of the directory, and a file, lock or the directory itself that is gone by
+    the time it is looked at frees nothing and is skipped."""
     directory = os.path.join(nvme_path, SWAP_SUBDIR)
-    if not os.path.isdir(directory):
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         return 0
-    total = 0
+    try:
+        return _stale_bytes_in(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _stale_bytes_in(dir_fd: int) -> int:
     by_rank: dict[int, list[str]] = {}
-    for name in os.listdir(directory):
+    for name in os.listdir(dir_fd):  # empty once the directory is removed
         rank = _rank_of(name)
         if rank is not None:
-            by_rank.setdefault(rank, []).append(os.path.join(directory, name))
-    for rank, paths in by_rank.items():
-        lock = os.path.join(directory, f"rank{rank}.lock")
-        if os.path.exists(lock):
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+            by_rank.setdefault(rank, []).append(name)
+    total = 0
+    for rank, names in by_rank.items():
+        try:
+            fd = os.open(f"rank{rank}.lock", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            fd = None  # no lock: no run holds these files
+        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only to look: released below
+                if not _same_file(fd, f"rank{rank}.lock", dir_fd):
+                    continue  # closed meanwhile, perhaps opened again: not known stale
             except BlockingIOError:
                 continue  # a live run's files
             finally:
                 os.close(fd)
-        for p in paths:
+        for name in names:
             try:
-                total += os.stat(p).st_blocks * 512  # what deleting it frees
+                total += os.stat(name, dir_fd=dir_fd).st_blocks * 512  # what deleting it frees
             except FileNotFoundError:
                 pass
     return total

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from offload.devices import side_stream
+from offload.devices import StreamPurpose, side_stream
 from offload.units.groups import ProcessGroupInfo
 from offload.units.hybrid import average_across_replicas
 from offload.units.storage_bytes import free_storage
@@ -84,7 +84,7 @@ def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
     compute stream's work so far; returns the event recorded after the copy. `src` is kept
     from reuse until the copy has read it (`record_stream`)."""
     device = src.device
-    stream = side_stream(device, "d2h")
+    stream = side_stream(device, StreamPurpose.D2H)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
