@@ -56,7 +56,7 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 #   unit's gather. Touches only the full or pooled buffer the fetch owns.
 # - `StreamPurpose.D2H` (units/grad_reduce.py): a unit's reduced gradient from the device
 #   into its pinned host gradient shard, with the optimizer worker. Starts after the compute
-#   stream's reduce; the worker's update waits on its event on the host (`grad_ready`), the
+#   stream's reduce; the worker's update waits on its event on the host (`GradShard.ready`), the
 #   step at `engine.step()` likewise. Touches the gradient shard only.
 # - `StreamPurpose.UPLOAD` (optim/sharded.py): an updated device-tier shard from its pinned
 #   staging buffer to the device. Starts after the compute stream's work so far (the old

@@ -12,7 +12,6 @@ files are deleted by `close()` (also on `with` exit, at garbage collection and a
 
 from __future__ import annotations
 
-import contextvars
 import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -20,7 +19,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import offload.units.collectives as _dist
 from offload.checkpoint import sharded_dict  # DTensor state dicts (torch's DTensor imported on use)
@@ -32,7 +30,7 @@ from offload.optim.lr_schedules import resolve_scheduler
 from offload.optim.sharded import ShardedAdam
 from offload.optim.threads import resolve_threads
 from offload.runtime.accounting import device_tensors, memory_bytes
-from offload.runtime.activations import ActivationSettings, enter_engine, leave_engine
+from offload.runtime.activations import ActivationSettings
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.build import build
 from offload.runtime.gather import Gatherer
@@ -44,9 +42,6 @@ from offload.runtime.lifecycle import (  # EngineState: importable from here, as
     LIVE_ENGINES,
     EngineState,
     drain_at_exit,
-    bind,
-    bind0,
-    cast_inputs,
     check_weights_present,
     forward_of_a_closed_model,
     released_parameters,
@@ -54,17 +49,15 @@ from offload.runtime.lifecycle import (  # EngineState: importable from here, as
     take_over,
 )
 from offload.runtime.monitors import check_monitors
-from offload.runtime.optimizer_step import StepMode, StepPolicy
+from offload.runtime.optimizer_step import StepPolicy
 from offload.runtime.param_state import ParamState
 from offload.runtime.report import StepReporter
 from offload.runtime.residency import DeviceResidency
-from offload.runtime.schedule import Phase
-from offload.runtime.timeline import Timeline, now
+from offload.runtime.timeline import Timeline
+from offload.runtime.unit_hooks import UnitHooks
 from offload.runtime.view import ShardedState
 from offload.units.deferred import suspended
 from offload.units.mesh import setup_groups
-from offload.units.partition import ROOT
-from offload.units.shard import FlatUnit
 
 __all__ = ["Engine", "initialize", "EngineState"]
 
@@ -106,7 +99,7 @@ class Engine:
     value and optimizer state: offload/runtime/param_state.py).
 
     The wiring: `build` makes the units, tiers and optimizer state; the `Gatherer` hands each
-    unit a gathered buffer when the hooks below ask; the `BackwardTracker` reduces gradients
+    unit a gathered buffer when its hooks ask (`UnitHooks`: offload/runtime/unit_hooks.py); the `BackwardTracker` reduces gradients
     into the shards; the `StepPolicy` decides where updates run; `sharded_state` is what
     checkpoints and weight export see.
     """
@@ -143,8 +136,7 @@ class Engine:
         check_weights_present(model)
         check_monitors(config.monitors)  # a missing library fails here, before the build
         # offload.checkpointing's default while this engine's forward runs (runtime/activations.py)
-        self._activations = ActivationSettings(cpu_offload=True) if config.activation_checkpointing.cpu_offload else None
-        self._in_forward: Optional[contextvars.Token] = None
+        activations = ActivationSettings(cpu_offload=True) if config.activation_checkpointing.cpu_offload else None
         built = build(self, model, config, self.pg, self.device, self.dtype, optimizer)
         self._close_nvme = built.close_nvme
         self.units, self.states = built.units, built.states
@@ -175,120 +167,21 @@ class Engine:
             counters=self.policy.counters, schedule=self.policy.schedule, placement=built.placement,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
         )
-        self._register_hooks()  # then torch's state-dict helpers' hooks, before the gathering's:
+        self.unit_hooks = UnitHooks(model, self.units, self.gather, self.backward_tracker, self.policy,
+                                    self.grads, self.timeline, self.device, self.dtype, activations)
+        self.unit_hooks.register(self._hooks)  # then torch's state-dict helpers' hooks, before the gathering's:
+        weakref.finalize(self, remove_hooks, self._hooks)  # [Note: weak hooks]
         route = TorchStateDictRoute(model, self.sharded_state, self._hooks)
         self.gathering = Gathering(self.sharded_state, self.gather, self.backward_tracker, self._hooks,
                                    self.residency)
         self.health = Health(self.policy, self.gather, self.backward_tracker, self.gathering, self.residency,
                              self.param_tier, self.optimizer.store, self.nvme)  # EngineState, checks
         route.attach(self.gathering, self.health)
+        self.unit_hooks.health = self.health
         self._marked_generation = mark_synced_generation(model, self.world_size)  # [Note: generation in step]
         self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
         self.reporter.log_built()
         LIVE_ENGINES.add(self)  # built: zero.GatheredParameters / safe_get_* may find it
-
-    # -- hooks (the wiring: each asks the collaborator that owns the state) -----------------
-
-    def _register_hooks(self) -> None:
-        for unit in self.units:
-            module = self.module if unit.index == ROOT else self.module.get_submodule(unit.name)
-            self._hooks.append(
-                module.register_forward_pre_hook(
-                    bind(self._pre_forward, unit), with_kwargs=True, prepend=True
-                )
-            )
-            self._hooks.append(
-                module.register_forward_hook(bind(self._post_forward, unit), always_call=False)
-            )
-        weakref.finalize(self, remove_hooks, self._hooks)  # [Note: weak hooks]
-
-    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        tracker = self.backward_tracker
-        if unit.index == ROOT and not tracker.active:
-            self.health.check_ready("the model's forward")
-            self.grads.check_requires_grad()  # [Note: requires_grad after initialize]
-            args, kwargs = cast_inputs(args, kwargs, self.device, self.dtype)
-            self.gather.begin_iteration(self.policy.step_index, self.module.training)
-            self._in_forward = enter_engine(self._activations)
-        self.gather.use(unit, Phase.RECOMPUTE if tracker.active else Phase.FORWARD)
-        if tracker.is_recomputation(unit) or not torch.is_grad_enabled():
-            return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        outs = tracker.forward_with_grad(unit, [flat[i] for i in idx], bind0(self._post_backward, unit))
-        if unit.index == ROOT or not idx:
-            return args, kwargs
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.backward_tracker.active:
-            return None  # recomputation: stays gathered until the unit's post-backward
-        if unit.index == ROOT and self._in_forward is not None:
-            leave_engine(self._in_forward)  # this engine's activation settings end with its forward
-            self._in_forward = None
-        if self.timeline.enabled:
-            self.timeline.add(f"fwd {unit.name or '<root>'}", "compute", "compute",
-                              self.gather.compute_started(unit), now(), unit.index)
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, bind(self._pre_backward, unit), mode="any"
-            )
-        elif unit.index == ROOT:
-            self.backward_tracker.nothing_pending(unit)  # backward will never visit
-        if self.gather.after_forward(unit, backward_follows=bool(tensors), output=output):
-            self.backward_tracker.untrack(unit)  # a parameter returned out of its unit
-        return None
-
-    def _pre_backward(self, unit: FlatUnit, grad: Any) -> None:
-        if self.backward_tracker.start():
-            # Runs when this backward pass finishes, inside the autograd engine.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            if self.policy.start_backward() is StepMode.IN_BACKWARD:
-                # The last units updated are the next forward's first: keep their new shards.
-                self.gather.keep_new_shards_for_next_iteration()
-            # With the optimizer worker, gradient shards come down from the GPU on a side
-            # stream; the worker waits for each (offload/runtime/optimizer_worker.py).
-            self.backward_tracker.copy_grads_async(self.policy.async_updates and self.device.type == "cuda")
-            self.backward_tracker.set_boundary(self.policy.is_boundary())
-        self.gather.use(unit, Phase.BACKWARD)
-        self.backward_tracker.entered(unit)
-        if self.policy.mode is StepMode.IN_BACKWARD:
-            # This unit's state, and the next two's, are read while its backward computes
-            # (as far as the pinned pool has room without waiting; nothing for host state).
-            self.optimizer.prefetch_units([unit.index] + self.gather.next_uses(Phase.BACKWARD, 2))
-
-    def _post_backward(self, unit: FlatUnit) -> None:
-        self._updated(self.backward_tracker.post_backward(unit, self.policy.check_gradients_wanted))
-
-    def _updated(self, reduced: list[FlatUnit]) -> None:
-        """Units whose gradient shard just became final: with the optimizer in backward,
-        update them now (their fetched copies are stale first)."""
-        if self.policy.mode is not StepMode.IN_BACKWARD:
-            return
-        for unit in reduced:
-            self.gather.drop(unit.index)
-            self.policy.update_in_backward(unit)
-            unit.invalidate()  # a resident unit's gathered copy (stages 1, 2) is stale now
-
-    def _finish_backward(self) -> None:
-        """End of a backward pass (also called by `backward` and `step`: idempotent)."""
-        if not self.backward_tracker.has_work():
-            return
-        self.gather.end_backward()
-        self.backward_tracker.finish(self.policy.check_gradients_wanted, self._updated)
-        if not self.policy.is_boundary():
-            self.gather.prefetch_next_iteration()  # the next micro-batch sees the same shards
-
-    def _abort_backward(self, cause: Optional[BaseException] = None) -> None:
-        self.policy.abort_backward()  # the worker's updates end first; the backward's own error is raised
-        self.gather.abort()
-        if not self.backward_tracker.abort() and cause is not None:  # not undone exactly:
-            self.policy.lost.lose(cause)  # step() refuses until zero_grad()
 
     # -- the user's loop -------------------------------------------------------------------
 
@@ -311,7 +204,7 @@ class Engine:
         bad = self.policy.nonfinite_loss(loss)  # reads the loss (a device sync) unless off
         self.reporter.observe_loss(loss)  # a float only for a step that will be reported
         if bad is not None:
-            self._abort_backward()  # the forward's gathered units and pending reduces go
+            self.unit_hooks.abort_backward()  # the forward's gathered units and pending reduces go
             self.policy.skip_for_loss(bad)  # raises with nonfinite_loss='raise'
             return
         scale = self.policy.scaler.scale
@@ -323,11 +216,11 @@ class Engine:
             # Drop the pass's state and gradients (BackwardTracker.abort). Updates already
             # run in backward (part-applied) or a failed disk: FAILED, as in step().
             partial = self.backward_tracker.active and self.policy.pass_updates > 0
-            self._abort_backward(exc)
+            self.unit_hooks.abort_backward(exc)
             if partial or isinstance(exc, OSError):
                 self.health.fail(exc)
             raise
-        self._finish_backward()
+        self.unit_hooks.finish_backward()
 
     is_gradient_accumulation_boundary = lambda self: self.policy.is_boundary()  # noqa: E731
     def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
@@ -340,7 +233,7 @@ class Engine:
         fails (an I/O error), its error is raised here and the engine enters FAILED: load a
         checkpoint to go on. Ending a window that ran no backward, it does nothing (warned)."""
         self.health.check_ready("engine.step")
-        self._finish_backward()
+        self.unit_hooks.finish_backward()
         if self.policy.no_gradient():
             return  # not counted: warned once
         self.policy.lost.check("engine.step()")

@@ -684,7 +684,7 @@ def test_checkpoint_spanning_units_frees_each_during_backward(monkeypatch):
     torch.manual_seed(0)
     engine = offload.initialize(TinyGPT(checkpoint="span"), make_config())
     events = []
-    real_reduce, real_finish = engine.backward_tracker.reduce, engine._finish_backward
+    real_reduce, real_finish = engine.backward_tracker.reduce, engine.unit_hooks.finish_backward
 
     def spy_reduce(unit, *args):
         events.append(unit.name)
@@ -695,7 +695,7 @@ def test_checkpoint_spanning_units_frees_each_during_backward(monkeypatch):
         real_finish()
 
     monkeypatch.setattr(engine.backward_tracker, "reduce", spy_reduce)
-    monkeypatch.setattr(engine, "_finish_backward", spy_finish)
+    monkeypatch.setattr(engine.unit_hooks, "finish_backward", spy_finish)
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))
     end = events.index("<end of backward>")

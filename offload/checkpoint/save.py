@@ -75,7 +75,7 @@ def _save(sharded: ShardedState, save_dir: str, tag: Optional[str], client_state
           chunk_bytes: int, window: int, staging: Optional[CheckpointStaging]) -> str:
     save_dir = os.fspath(save_dir)
     tag = files.check_tag(tag if tag is not None else f"global_step{sharded.counters.global_steps}")
-    if any(st.grad_valid for st in sharded.states):
+    if any(st.grad_shard.has_gradient for st in sharded.states):
         raise RuntimeError(
             "save_checkpoint called between micro-batches of an accumulation step: the "
             "accumulated gradients are not part of a checkpoint; save after engine.step() "

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from offload.config.sections import Config
 from offload.devices import StreamPurpose, side_stream
+from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind, UpdateFn
 from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
 from offload.sizes import ALIGNMENT, align_up
@@ -70,8 +71,8 @@ class UnitOptimizerState:
         parameters, whose values live in the parameter shard only ([Note: frozen parameters
         cost their shard only] in offload/units/layout.py). With fp32 compute on the CPU it
         is a view of the parameter shard itself.
-    grad: fp32, as long as the master; reduce-scatter output, accumulated over
-        micro-batches. Always in host memory.
+    grad_shard: the fp32 gradient shard, as long as the master (`GradShard`: the
+        reduce-scatter's output, accumulated over micro-batches; always in host memory).
     moments: the optimizer's state tensors by name (`offload.optim.kinds.STATE_NAMES`: Adam's
         exp_avg and exp_avg_sq, Lion's exp_avg, Adagrad's sum), over the shard's optimized
         prefix only (frozen parameters get none).
@@ -81,25 +82,16 @@ class UnitOptimizerState:
 
     unit: FlatUnit
     master: Optional[torch.Tensor]
-    grad: torch.Tensor
+    grad_shard: GradShard
     moments: Optional[dict[str, torch.Tensor]]
     slot_steps: list[int]
-    slot_has_grad: list[bool] = field(default_factory=list)
-    grad_valid: bool = False
-    """False until the first micro-batch of a step writes `grad` (then later ones add)."""
-    grad_reduces: int = 0
-    """Reduce-scatters into `grad` since it was last cleared. Every rank must make the same:
-    a unit reduced on one rank and not on another pairs unlike collectives (the step policy
-    checks it before any update: `offload.runtime.optimizer_step`)."""
-    grad_unaveraged: bool = False
-    """HSDP: `grad` holds sums of this step's reductions not yet averaged across the replicas
-    ([Note: HSDP averages once per step] in offload/units/hybrid.py)."""
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
-    grad_ready: Optional[torch.cuda.Event] = None
-    """A CUDA event after which `grad` holds this step's reduction (its copy down from the
-    GPU runs on a side stream: `GradReduce.wait(host_async=True)`), or None when it holds it
-    already. Only the optimizer worker reads `grad` before that event."""
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The gradient shard's values (`grad_shard.tensor`)."""
+        return self.grad_shard.tensor
 
     @property
     def layout(self) -> UnitLayout:
@@ -487,7 +479,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         what Hugging Face Accelerate does with DeepSpeed (its optimizer wrapper's
         `zero_grad` is a no-op) and with accumulation (it zeroes only at a step). To discard
         gradients on purpose call `engine.zero_grad()`."""
-        if self._warned_zero_grad or not any(st.grad_valid for st in self.unit_states):
+        if self._warned_zero_grad or not any(st.grad_shard.has_gradient for st in self.unit_states):
             return
         self._warned_zero_grad = True
         warnings.warn(
@@ -502,10 +494,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Forget every unit's gradients (the next micro-batch overwrites its shard): the
         engine's own clearing at a step, `engine.zero_grad()`, a checkpoint load."""
         for st in self.unit_states:
-            st.grad_valid = False
-            st.grad_unaveraged = False
-            st.grad_reduces = 0
-            st.slot_has_grad = [False] * len(st.slot_has_grad)
+            st.grad_shard.clear()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused once the engine is built: every parameter's place in its unit's shard,
@@ -578,7 +567,7 @@ __all__ = ["ShardedOptimizer", "ShardedAdam", "UnitOptimizerState", "resolve_par
 
 def _active_slots(st: UnitOptimizerState) -> list[bool]:
     """The unit's parameters this step updates: trained ones with a gradient on some rank."""
-    return [has and slot.group != FROZEN_GROUP for has, slot in zip(st.slot_has_grad, st.layout.slots)]
+    return [has and slot.group != FROZEN_GROUP for has, slot in zip(st.grad_shard.slot_has, st.layout.slots)]
 
 
 def _counted_steps(st: UnitOptimizerState) -> list[int]:

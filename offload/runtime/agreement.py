@@ -51,20 +51,20 @@ def agree_on_unit(st: UnitOptimizerState, rank: int, all_reduce: AllReduce) -> N
     """Before one unit's update in backward: its parameters that got a gradient on any rank,
     and that every rank is at this unit (raises `RoutedApartError` where not)."""
     idx = float(st.unit.index)
-    flags = torch.tensor([*(float(h) for h in st.slot_has_grad), idx, -idx], dtype=torch.float32)
+    flags = torch.tensor([*(float(h) for h in st.grad_shard.slot_has), idx, -idx], dtype=torch.float32)
     flags = all_reduce(flags, "max")
     if int(flags[-2]) != -int(flags[-1]):
         raise RoutedApartError(f"in this backward, rank {rank} reduced unit {_name(st.unit)} while "
                                "another rank reduced a different one")
-    st.slot_has_grad = [bool(v) for v in flags[:-2].tolist()]
+    st.grad_shard.agreed([bool(v) for v in flags[:-2].tolist()])
 
 
 def agree_on_step(states: Sequence[UnitOptimizerState], rank: int, all_reduce: AllReduce) -> None:
     """Before the updates at `engine.step()`: every unit's parameters that got a gradient on
     any rank, and that every rank reduced every unit as often this step."""
-    reduces = [float(st.grad_reduces) for st in states]
+    reduces = [float(st.grad_shard.reduces) for st in states]
     flags = torch.tensor(
-        [*(float(h) for st in states for h in st.slot_has_grad), *reduces, *(-r for r in reduces)],
+        [*(float(h) for st in states for h in st.grad_shard.slot_has), *reduces, *(-r for r in reduces)],
         dtype=torch.float32,
     )
     flags = all_reduce(flags, "max")
@@ -72,12 +72,12 @@ def agree_on_step(states: Sequence[UnitOptimizerState], rank: int, all_reduce: A
     most, least = flags[len(flags) - 2 * n : len(flags) - n].tolist(), (-flags[len(flags) - n :]).tolist()
     apart = [st for st, hi, lo in zip(states, most, least) if hi != lo]
     if apart:
-        mine = ", ".join(f"{_name(st.unit)} {st.grad_reduces}" for st in apart)
+        mine = ", ".join(f"{_name(st.unit)} {st.grad_shard.reduces}" for st in apart)
         raise RoutedApartError(
             f"this step's backward reduced unit(s) {', '.join(_name(st.unit) for st in apart)} a "
             f"different number of times on different ranks (rank {rank}: {mine})")
     i = 0
     for st in states:
-        k = len(st.slot_has_grad)
-        st.slot_has_grad = [bool(v) for v in flags[i : i + k].tolist()]
+        k = len(st.grad_shard.slot_has)
+        st.grad_shard.agreed([bool(v) for v in flags[i : i + k].tolist()])
         i += k

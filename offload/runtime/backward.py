@@ -34,8 +34,9 @@ the gradients into it runs at page-fault speed, not memory speed (a 98 MB shard:
 instead of 5 ms on this machine): most of what `step_stats()` counted as `collective_s` at
 world size 1, where there is no collective. At world size 1 the reduce and the update of
 a unit are back to back (the reduce completes at once), so one buffer as large as the
-largest shard serves every unit: `GradScratch` points the shard's storage into it at the
-reduce and `release_grad` points it away again after the update. The scratch is touched
+largest shard serves every unit: `GradScratch` (offload/optim/grad_shard.py) lends it to
+the shard at the reduce (`GradShard.acquire`) and takes it back after the update
+(`GradShard.release`); it keeps its one borrower itself. The scratch is touched
 once, at the first step; the peak is the one a fresh shard had (one unit's), now held
 between steps as well. A shard is given fresh memory as before when the scratch is taken
 (a step whose updates do not all run in backward keeps its shards until `engine.step()`)
@@ -50,14 +51,13 @@ from typing import Any, Callable
 
 import torch
 
-from offload.runtime.build import acquire_storage, zero_unwritten
+from offload.optim.grad_shard import GradScratch, GradSnapshot, GradState
 from offload.runtime.timeline import Timeline, now
-from offload.units.full_buffers import CAN_POINT, point_storage, unpoint_storage
 from offload.units.hybrid import ReplicaMean, replica_mean
 from offload.units.partition import ROOT
 from offload.units.shard import FlatUnit
 
-__all__ = ["BackwardTracker", "GradScratch", "Pass", "UnitPass", "PostBackward", "release_grad"]
+__all__ = ["BackwardTracker", "Pass", "UnitPass", "PostBackward"]
 
 
 class Pass(enum.Enum):
@@ -123,17 +123,18 @@ class BackwardTracker:
         self.rank = units[0].pg.rank if units else 0
         self.async_grads = False
         """This pass's gradient shards come down from the GPU asynchronously (set per pass
-        by the engine: with the optimizer worker): the shard's `grad_ready` event says when."""
+        by the engine: with the optimizer worker): the shard's `ready` event says when."""
         self.at_boundary = True
         """This pass ends the step's accumulation window (set per pass by the engine)."""
-        self.scratch = GradScratch(states, enabled=share_scratch and transient_grads and self.world_size == 1)
-        self._before: list[tuple[bool, bool, list[bool], int]] = []
-        """Each unit's gradient-shard flags as the current pass began (`abort` restores them)."""
-        self._reduced: set[int] = set()
-        """Units this pass has reduced into their shard."""
+        self.scratch = GradScratch([st.grad_shard for st in states],
+                                   enabled=share_scratch and transient_grads and self.world_size == 1)
         """Memory for transient gradient shards ([Note: one scratch for transient gradient
         shards]); not shared when the optimizer worker updates one unit while the next is
         reduced (`share_scratch` False)."""
+        self._before: list[GradSnapshot] = []
+        """Each unit's gradient shard as the current pass began (`abort` restores them)."""
+        self._reduced: set[int] = set()
+        """Units this pass has reduced into their shard."""
 
     @property
     def active(self) -> bool:
@@ -192,8 +193,7 @@ class BackwardTracker:
         if self.state is Pass.BACKWARD:
             return False
         self.state = Pass.BACKWARD
-        self._before = [(st.grad_valid, st.grad_unaveraged, list(st.slot_has_grad), st.grad_reduces)
-                        for st in self.states]
+        self._before = [st.grad_shard.snapshot() for st in self.states]
         self._reduced = set()
         return True
 
@@ -220,16 +220,13 @@ class BackwardTracker:
                 p.grad = None
         else:  # on every rank, also one whose part of the unit is frozen (no gradient shard)
             check(unit)
-            if st.grad.untyped_storage().nbytes() == 0:  # a transient shard: bytes now
-                self.scratch.acquire(st.grad, unit.layout, self.rank,
-                                     whole=self.world_size > 1 or st.grad_valid)
-            mean = replica_mean(unit.pg, self.at_boundary, st.grad_valid, st.grad_unaveraged)
-            red = unit.start_reduce_scatter(st.grad, accumulate=st.grad_valid, replicas=mean)
+            shard = st.grad_shard
+            shard.acquire(unit.layout, self.rank, whole=self.world_size > 1 or shard.has_gradient,
+                          scratch=self.scratch)  # a transient shard: bytes now
+            mean = replica_mean(unit.pg, self.at_boundary, shard.has_gradient, shard.unaveraged)
+            red = unit.start_reduce_scatter(st.grad, accumulate=shard.has_gradient, replicas=mean)
             self._reduced.add(unit.index)
-            st.grad_valid = True
-            st.grad_reduces += 1
-            st.grad_unaveraged = mean is ReplicaMean.LATER
-            st.slot_has_grad = [a or b for a, b in zip(st.slot_has_grad, red.have)]
+            shard.reduced(red.have, averaged_later=mean is ReplicaMean.LATER)
             self._reduces.append((unit, red, t0))
         t1 = now()
         tl = self.timeline
@@ -251,7 +248,7 @@ class BackwardTracker:
         while len(self._reduces) > keep:
             unit, red, issued = self._reduces.pop(0)
             t0 = now()
-            self.states[unit.index].grad_ready = red.wait(host_async=self.async_grads)
+            self.states[unit.index].grad_shard.arriving(red.wait(host_async=self.async_grads))
             t1 = now()
             self.timeline.count("collective", t1 - t0)
             self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)
@@ -304,14 +301,11 @@ class BackwardTracker:
         for i in sorted(self._reduced):
             if i >= len(self._before):
                 continue
-            valid, unaveraged, has, reduces = self._before[i]
-            st = self.states[i]
-            if valid:
+            before = self._before[i]
+            if before.state not in (GradState.EMPTY, GradState.RELEASED):
                 exact = False  # the sum of earlier micro-batches has this pass's part in it
                 continue
-            st.grad_valid, st.grad_unaveraged, st.slot_has_grad = valid, unaveraged, list(has)
-            st.grad_reduces = reduces
-            st.grad_ready = None
+            self.states[i].grad_shard.restore(before)
         self._reduced = set()
         for unit in self.units:
             for p in unit.params:
@@ -329,58 +323,3 @@ class BackwardTracker:
         for _, red, _ in self._reduces:
             red.wait()
         self._reduces = []
-
-
-_SCRATCH_ATTR = "_offload_grad_scratch"
-"""Set on a gradient shard whose storage points into a `GradScratch`: keeps the scratch
-alive as long as the shard points into it."""
-
-
-class GradScratch:
-    """One host buffer that transient gradient shards borrow from their reduce to their
-    update ([Note: one scratch for transient gradient shards]). Used from the engine's
-    thread; `enabled` only at world size 1 with transient shards."""
-
-    def __init__(self, states: list[Any], enabled: bool) -> None:
-        self.states = states
-        self.enabled = enabled and CAN_POINT
-        self.buf: Any = None
-        self.holder: Any = None
-        """The gradient shard that last borrowed the buffer."""
-
-    def busy(self) -> bool:
-        h = self.holder
-        return h is not None and getattr(h, _SCRATCH_ATTR, None) is self.buf \
-            and h.untyped_storage().nbytes() != 0
-
-    def acquire(self, grad: torch.Tensor, layout: Any, rank: int, whole: bool) -> None:
-        """Give the released shard `grad` memory: the scratch when it is free, else fresh
-        memory (`acquire_storage`). Either way its alignment gaps (or all of it, `whole`)
-        read as zeros."""
-        if not self.enabled or self.busy() or grad.dtype != torch.float32 or grad.device.type != "cpu":
-            acquire_storage(grad, layout, rank, whole)
-            return
-        if self.buf is None:
-            n = max(st.grad.numel() for st in self.states)
-            self.buf = torch.empty(n, dtype=torch.float32)
-        point_storage(grad, self.buf)
-        setattr(grad, _SCRATCH_ATTR, self.buf)
-        self.holder = grad
-        # Not fresh memory: the previous unit's values are there. The reduce writes every
-        # slot (copy, or zeros); what it never writes is zeroed here, as for fresh memory.
-        zero_unwritten(grad, layout, rank, whole)
-
-
-def release_grad(grad: torch.Tensor) -> None:
-    """Give a transient gradient shard's memory back, keeping its size: its own memory, or
-    the `GradScratch` it borrowed (the shard's storage then has 0 bytes again)."""
-    storage = grad.untyped_storage()
-    if storage.nbytes() == 0:
-        return
-    if getattr(grad, _SCRATCH_ATTR, None) is None:
-        storage.resize_(0)
-        return
-    unpoint_storage(grad)  # resizable and empty, as released
-    delattr(grad, _SCRATCH_ATTR)
-
-

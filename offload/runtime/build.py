@@ -34,6 +34,7 @@ from torch import nn
 
 import offload.units.materialize as materialize
 from offload.config.sections import Config
+from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind
 from offload.optim.kinds import OptimizerArg
 from offload.optim.sharded import (
@@ -60,7 +61,7 @@ from offload.units.full_buffers import FullBuffers
 from offload.units.partition import ParamRecord, UnitPlan, is_leaf_module, plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
-__all__ = ["Built", "build", "release_storage", "acquire_storage", "zero_unwritten"]
+__all__ = ["Built", "build"]
 
 Planned = list[tuple[UnitPlan, UnitLayout, list[ParamRecord]]]
 
@@ -381,16 +382,14 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
             # Sized but holding no memory until its unit's reduce-scatter (and again none
             # after the unit's update during backward): see transient_grad_shards.
             grad = torch.empty(grad_numel, dtype=torch.float32)
-            release_storage(grad)
         else:
             # pinned on a GPU run: the reduce-scattered shard comes down by DMA
             grad = (pinned_empty(grad_numel * 4, torch.float32) if device.type == "cuda"
                     else torch.zeros(grad_numel, dtype=torch.float32))
         states.append(UnitOptimizerState(
-            unit=unit, master=master, grad=grad,
+            unit=unit, master=master, grad_shard=GradShard(grad, len(layout.slots), released=transient),
             moments=None if on_nvme else {s.name: _fresh_state(s, n_opt) for s in specs},
-            slot_steps=[0] * len(layout.slots), slot_has_grad=[False] * len(layout.slots),
-            n_optimized=n_opt,
+            slot_steps=[0] * len(layout.slots), n_optimized=n_opt,
         ))
         units.append(unit)
         records.append(recs)
@@ -470,34 +469,3 @@ def _index_state_dict(model: nn.Module, units: list[FlatUnit]) -> list[StateDict
         else:
             out.append(StateDictEntry(key, Location.OTHER, value))
     return out
-
-
-def release_storage(t: torch.Tensor) -> None:
-    """Give a tensor's memory back, keeping its size (a transient gradient shard)."""
-    storage = t.untyped_storage()
-    if storage.nbytes():
-        storage.resize_(0)
-
-
-def acquire_storage(t: torch.Tensor, layout: UnitLayout, rank: int, whole: bool) -> None:
-    """Memory for a released gradient shard again. At world size 1 the reduce writes every
-    slot (a copy, or zeros for a parameter without gradient) but never the alignment gaps
-    between slots, which must read as zeros: only those are zeroed. `whole`: zero it all."""
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-    zero_unwritten(t, layout, rank, whole)
-
-
-def zero_unwritten(t: torch.Tensor, layout: UnitLayout, rank: int, whole: bool) -> None:
-    """Zero what a world-size-1 reduce never writes into gradient shard `t`: the alignment
-    gaps between slots (`whole`: all of it)."""
-    if whole:
-        t.zero_()
-        return
-    lo, hi = layout.shard_range(rank)
-    pos = lo
-    for slot in sorted(layout.slots, key=lambda s: s.offset):
-        if slot.offset > pos:
-            t[pos - lo : min(slot.offset, hi) - lo].zero_()
-        pos = max(pos, slot.end)
-    if pos < hi:
-        t[pos - lo :].zero_()

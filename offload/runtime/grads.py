@@ -155,9 +155,9 @@ class Gradients:
         # Decided alike on every rank (the all-reduce below needs them all): a parameter no
         # optimizer group updates keeps no gradient ([Note: frozen parameters cost their
         # shard only] in offload/units/layout.py), and a shard may be empty on one rank.
-        if slot.group == FROZEN_GROUP or not st.grad_valid:
+        if slot.group == FROZEN_GROUP or not st.grad_shard.has_gradient:
             return None  # not kept, or nothing reduced since the step
-        if self.policy.transient_grads and ui in self.policy.updated:
+        if st.grad_shard.consumed:
             raise RuntimeError(
                 f"engine.full_grad({name!r}): its gradient shard was consumed by the unit's "
                 "optimizer update during backward (prefetch.optimizer_in_backward, the default, "
@@ -172,9 +172,9 @@ class Gradients:
         if part is not None:
             p_off, s_off, n = part
             flat[p_off : p_off + n].copy_(st.grad[s_off : s_off + n])
-        flat[-1] = float(st.slot_has_grad[si])  # a local gradient existed (summed: any rank)
+        flat[-1] = float(st.grad_shard.slot_has[si])  # a local gradient existed (summed: any rank)
         flat = all_reduce_host(flat, "sum", self.pg, self.device)
-        if st.grad_unaveraged:  # HSDP inside a window: the mean across replicas, shard untouched
+        if st.grad_shard.unaveraged:  # HSDP inside a window: the mean across replicas, shard untouched
             average_shard_across_replicas(flat, self.units[ui].pg, self.device)
         if flat[-1].item() == 0:
             return None

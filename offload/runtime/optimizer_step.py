@@ -73,7 +73,6 @@ from typing import Any, Optional
 import torch
 
 from offload.runtime.agreement import agree_on_step, agree_on_unit
-from offload.runtime.backward import release_grad
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
 from offload.runtime.optimizer_worker import OptimizerWorker
@@ -305,7 +304,7 @@ class StepPolicy:
     @property
     def async_updates(self) -> bool:
         """Updates during this backward run on the worker (gradients may come down
-        asynchronously: `st.grad_ready`)."""
+        asynchronously: `GradShard.ready`)."""
         return self.worker is not None and self.mode is StepMode.IN_BACKWARD
 
     def settle(self) -> Optional[BaseException]:
@@ -346,9 +345,7 @@ class StepPolicy:
     def _update_unit(self, unit: FlatUnit, st: Any) -> None:
         """One unit's update during backward (on the worker, or autograd's thread)."""
         tl = self.timeline
-        if st.grad_ready is not None:  # its gradient shard is still coming down from the GPU
-            ready, st.grad_ready = st.grad_ready, None
-            ready.synchronize()
+        st.grad_shard.wait_arrived()  # its gradient shard may still be coming down from the GPU
         io0 = self._io_wait()
         t0 = now()
         sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
@@ -359,7 +356,7 @@ class StepPolicy:
         )
         t1 = now()
         if self.transient_grads:
-            release_grad(st.grad)  # consumed; re-acquired by the next step's reduce-scatter
+            st.grad_shard.release()  # consumed; re-acquired by the next step's reduce-scatter
         tl.count("optimizer", t1 - t0)
         tl.count("optimizer_in_backward", t1 - t0)
         if self.nvme is not None:
@@ -426,7 +423,7 @@ class StepPolicy:
             return False
         flag = torch.zeros(1, dtype=torch.float32)
         for st in self.states:
-            g = st.grad[: st.optimized_numel] if st.grad_valid else st.grad[:0]
+            g = st.grad[: st.optimized_numel] if st.grad_shard.has_gradient else st.grad[:0]
             if g.numel() and not torch.isfinite(g).all():
                 flag.fill_(1.0)
                 break
@@ -501,12 +498,10 @@ class StepPolicy:
         at the boundary reached their unit) across the replicas, in unit order on every rank
         ([Note: HSDP averages once per step] in offload/units/hybrid.py)."""
         for st in self.states:
-            if st.grad_unaveraged:
-                if st.grad_ready is not None:
-                    ready, st.grad_ready = st.grad_ready, None
-                    ready.synchronize()
+            if st.grad_shard.unaveraged:
+                st.grad_shard.wait_arrived()
                 average_shard_across_replicas(st.grad, st.unit.pg, self.device)
-                st.grad_unaveraged = False
+                st.grad_shard.averaged()
 
     def discard_gradients(self) -> None:
         """Forget the gradients accumulated since the last step (the step's own clearing,
@@ -579,7 +574,7 @@ def _sum_of_squares(st: Any) -> Optional[torch.Tensor]:
     """A unit's gradient sum of squares over its optimized elements, as a float64 tensor
     (the dot in fp32, as clipping always took it), or None when it holds none this step."""
     # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
-    if not st.grad_valid or st.optimized_numel == 0:
+    if not st.grad_shard.has_gradient or st.optimized_numel == 0:
         return None
     g = st.grad[: st.optimized_numel]
     return torch.dot(g, g).double()

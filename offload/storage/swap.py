@@ -125,12 +125,9 @@ def _same_file(fd: int, path: str, dir_fd: Optional[int] = None) -> bool:
 def stale_swap_bytes(nvme_path: str) -> int:
     """Bytes of swap files under `nvme_path` that runs which are no longer alive left behind
     (their rank's lock is free): the next `SwapDirectory` opened there deletes them, so a
-    free-space check may count them as free ([Note: stale swap files]).
-
-    Other ranks of this node open and close the same directory meanwhile (a rank's clean
-    close removes the directory once it is empty): every name is read relative to one open
-    descriptor of the directory, and a file, lock or the directory itself that is gone by
-    the time it is looked at frees nothing and is skipped."""
+    free-space check may count them as free ([Note: stale swap files]). Other ranks open and
+    close the directory meanwhile (a clean close removes it once empty): names are read
+    through one descriptor of it, and whatever is gone when looked at frees nothing."""
     directory = os.path.join(nvme_path, SWAP_SUBDIR)
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
