@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import enum
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from offload.devices import StreamPurpose, compute_stream_event, side_stream
 from offload.runtime.timeline import Timeline, now
-from offload.storage.tiers import Tier
+from offload.storage.tiers import Fetch, Tier
 from offload.units.shard import FlatUnit
 
 __all__ = ["Prefetcher", "FetchMode"]
@@ -61,9 +61,9 @@ class Prefetcher:
         self.units = units
         self.tier = tier
         self.timeline = timeline
-        self.pending: dict[int, Any] = {}
+        self.pending: dict[int, _Entry] = {}
         self._write_through: frozenset[int] = frozenset()
-        self._stream: Any = None
+        self._stream: Optional[torch.cuda.Stream] = None
         self.modes = [FetchMode.DIRECT if unit.reads_into_full
                       else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
@@ -110,6 +110,7 @@ class Prefetcher:
             held = unit.tier.take_held(unit.key)
             self.pending[index] = _Entry(held if held is not None else _DirectRead(unit), now())
             return True
+        assert self._stream is not None  # made with the first CUDA_COPY mode
         self.pending[index] = _Entry(_CudaCopy(unit, self._stream), now())
         return True
 
@@ -155,6 +156,7 @@ class Prefetcher:
         if self.modes[index] is not FetchMode.READ:
             return None
         what = self.units[index].tier.fetch_ahead(self.units[index].key, block=True)
+        assert what is not None, "a blocking fetch_ahead waits for a buffer, never gives up"
         return _Entry(what, now())
 
     def drop(self, index: Optional[int] = None, keep_fresh: bool = False) -> None:
@@ -192,13 +194,14 @@ def _mode_of(tier: Tier, device: torch.device) -> FetchMode:
 
 
 class _Entry:
-    """One fetch in flight: `what` is the tier's `ReadAhead` or a `_CudaCopy`; `started` is
+    """One fetch in flight: `what` is the tier's `Fetch` (a `ReadAhead`), a `_CudaCopy` or a
+    `_DirectRead` (the runtime's own fetches, the same `Fetch` protocol); `started` is
     when it was issued (the timeline's read/copy span begins there); `fresh`: a copy kept at
     a store, complete from the start."""
 
     __slots__ = ("what", "started", "done_at", "fresh")
 
-    def __init__(self, what: Any, started: float) -> None:
+    def __init__(self, what: Fetch, started: float) -> None:
         self.what = what
         self.started = started
         self.fresh = bool(what.fresh)
@@ -256,7 +259,7 @@ class _CudaCopy:
 
     __slots__ = ("unit", "event", "local")
 
-    def __init__(self, unit: FlatUnit, stream: Any) -> None:
+    def __init__(self, unit: FlatUnit, stream: torch.cuda.Stream) -> None:
         self.unit = unit
         unit.alloc_full()
         compute = torch.cuda.current_stream(unit.device)
@@ -291,7 +294,7 @@ class _CudaCopy:
     def ready_on_compute_stream(self) -> None:
         torch.cuda.current_stream(self.unit.device).wait_event(self.event)
 
-    def release_after(self, event: Any) -> None:
+    def release_after(self, event: Optional[torch.cuda.Event]) -> None:
         self.release()  # no host buffer: nothing a later copy reads
 
     def release(self) -> None:
@@ -337,5 +340,5 @@ class _DirectRead:
         if self.unit.is_sharded:
             self.unit.free()
 
-    def release_after(self, event: Any) -> None:
+    def release_after(self, event: Optional[torch.cuda.Event]) -> None:
         self.release()  # no host buffer: nothing a later copy reads

@@ -5,7 +5,7 @@ copy down on a side stream (`_copy_down`). Split from shard.py, which holds the 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,27 @@ from offload.units.groups import ProcessGroupInfo
 from offload.units.hybrid import average_across_replicas
 from offload.units.storage_bytes import free_storage
 
-__all__ = ["GradReduce"]
+__all__ = ["GradReduce", "IntoShard", "AcrossReplicas"]
+
+
+class IntoShard(NamedTuple):
+    """Where a completed reduction goes: `reduced` (the collective's output, or a view of
+    it) into the rank's gradient shard `grad_shard`, added to it (`accumulate`) or copied."""
+
+    reduced: torch.Tensor
+    grad_shard: torch.Tensor
+    accumulate: bool
+
+
+class AcrossReplicas(NamedTuple):
+    """HSDP at an accumulation boundary: the reduced shard is averaged across `pg`'s
+    replicas once the collective completed, before it goes to the gradient shard; `fold`:
+    the gradient shard's un-averaged sums are added in first (`ReplicaMean.FOLD`)
+    ([Note: HSDP averages once per step] in units/hybrid.py)."""
+
+    reduced: torch.Tensor
+    pg: ProcessGroupInfo
+    fold: bool
 
 
 class GradReduce:
@@ -29,19 +49,16 @@ class GradReduce:
         have: list[bool],
         work: Optional[dist.Work] = None,
         flat: Optional[torch.Tensor] = None,
-        finish: Optional[tuple[torch.Tensor, torch.Tensor, bool]] = None,
-        across: Optional[tuple[torch.Tensor, ProcessGroupInfo, bool]] = None,
+        finish: Optional[IntoShard] = None,
+        across: Optional[AcrossReplicas] = None,
     ) -> None:
         self.have = have
         self._work = work
         self._flat = flat  # the collective's input: alive until it completes
         self._finish = finish
-        """(the reduced gradient, the gradient shard it goes to, whether to add to it)."""
+        """Where the reduction goes once complete; None: the collective wrote it in place."""
         self._across = across
-        """HSDP at an accumulation boundary: (the reduced shard, the group whose replicas it
-        is averaged across, whether the gradient shard's un-averaged sums are added in first:
-        `ReplicaMean.FOLD`) once the collective completed, before it goes to the gradient
-        shard; None otherwise ([Note: HSDP averages once per step] in units/hybrid.py)."""
+        """HSDP's average across replicas before that; None otherwise."""
 
     def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
         """Complete the reduction into the gradient shard. Returns None when the shard holds
@@ -56,7 +73,7 @@ class GradReduce:
             if fold and self._finish is not None:
                 out, grad_shard, _ = self._finish
                 reduced[: grad_shard.numel()].add_(grad_shard.to(reduced.device, non_blocking=True))
-                self._finish = (out, grad_shard, False)  # the sum replaces the shard
+                self._finish = IntoShard(out, grad_shard, False)  # the sum replaces the shard
             average_across_replicas(reduced, pg)  # before the copy out: every step reads the mean
         flat, self._flat = self._flat, None
         event = None

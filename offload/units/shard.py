@@ -38,7 +38,7 @@ from offload.units.layout import (
     update_runs,
 )
 from offload.units.full_buffers import CAN_POINT, FullBuffers
-from offload.units.grad_reduce import GradReduce
+from offload.units.grad_reduce import AcrossReplicas, GradReduce, IntoShard
 from offload.units.hybrid import (ReplicaMean, all_gather_unit, all_reduce_unit, reduce_scatter_unit,
                                   secondary_for)
 from offload.units.parameter import UnitParameter
@@ -523,7 +523,7 @@ class FlatUnit:
         if self.pg.world_size == 1 and not direct:
             # No collective: the flat buffer is the result, copied out from where it is (no
             # second buffer of its size on the device: issue #30, F6).
-            return GradReduce(have, None, None, (flat[: self.layout.shard_numel], grad_shard, accumulate))
+            return GradReduce(have, None, None, IntoShard(flat[: self.layout.shard_numel], grad_shard, accumulate))
         out = grad_shard if direct else torch.empty(
             self.layout.shard_numel, dtype=torch.float32, device=self._coll_device
         )
@@ -531,11 +531,11 @@ class FlatUnit:
             # Stage 1: every rank gets the whole average; this rank keeps its partition.
             lo, hi = self.layout.shard_range(self.pg.rank)
             work = all_reduce_unit(flat, self.pg, async_op=True)
-            return GradReduce(have, work, flat, (flat[lo:hi], grad_shard, accumulate))
+            return GradReduce(have, work, flat, IntoShard(flat[lo:hi], grad_shard, accumulate))
         work = reduce_scatter_unit(out, flat, self.pg, async_op=self.pg.world_size > 1)
-        across = ((out, self.pg, replicas is ReplicaMean.FOLD)
+        across = (AcrossReplicas(out, self.pg, replicas is ReplicaMean.FOLD)
                   if replicas in (ReplicaMean.NOW, ReplicaMean.FOLD) else None)
-        return GradReduce(have, work, flat, None if direct else (out, grad_shard, accumulate), across)
+        return GradReduce(have, work, flat, None if direct else IntoShard(out, grad_shard, accumulate), across)
 
     def full_bytes(self) -> int:
         """Bytes the full buffer holds right now (0 when freed or aliased)."""
