@@ -1,6 +1,9 @@
 """Interleaved A/B of the quick benchmarks between two checkouts (a refactor's "no slowdown").
 
     python tools/ab_bench.py BASE_DIR NEW_DIR [--rounds 5] [--out /tmp/ab]
+    python tools/ab_bench.py BASE_DIR NEW_DIR --only bench_train \
+        --train-args="--layers 12 --d-model 768 --heads 12 --vocab 50304 --seq 128 --batch 2 \
+                      --no-deepspeed --no-fsdp2 --no-lora --no-nvme"   # a 134M GPT
 
 Runs `python -m benchmarks.bench_train --quick --no-deepspeed --no-fsdp2` and
 `python -m benchmarks.bench_adam --quick`, alternating BASE and NEW (B, N, N, B, B, N...
@@ -17,8 +20,10 @@ import argparse
 import json
 import os
 import statistics
+import shlex
 import subprocess
 import sys
+from typing import Optional
 
 BENCHES = {
     "bench_train": (["-m", "benchmarks.bench_train", "--quick", "--no-deepspeed", "--no-fsdp2"],
@@ -27,8 +32,8 @@ BENCHES = {
 }
 
 
-def run(checkout: str, bench: str, out: str) -> dict:
-    args, _, _ = BENCHES[bench]
+def run(checkout: str, bench: str, out: str, override: Optional[list[str]] = None) -> dict:
+    args = BENCHES[bench][0] if override is None else ["-m", f"benchmarks.{bench}", *override]
     env = {**os.environ, "PYTHONPATH": checkout}
     proc = subprocess.run([sys.executable, *args, "--json", out], cwd=checkout, env=env,
                           capture_output=True, text=True, timeout=1800)
@@ -44,14 +49,20 @@ def main() -> int:
     p.add_argument("new")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="/tmp/ab")
+    p.add_argument("--only", choices=sorted(BENCHES), default=None, help="run one benchmark only")
+    p.add_argument("--train-args", default=None,
+                   help="bench_train's arguments instead of the quick ones (one string)")
     args = p.parse_args()
+    benches = {k: v for k, v in BENCHES.items() if args.only in (None, k)}
+    train_args = None if args.train_args is None else shlex.split(args.train_args)
     os.makedirs(args.out, exist_ok=True)
     samples: dict[tuple, dict[str, list[float]]] = {}
     for r in range(args.rounds):
         order = ("base", "new") if r % 2 == 0 else ("new", "base")
-        for bench, (_, key, metric) in BENCHES.items():
+        for bench, (_, key, metric) in benches.items():
             for which in order:
-                data = run(getattr(args, which), bench, os.path.join(args.out, f"{bench}-{which}-{r}.json"))
+                data = run(getattr(args, which), bench, os.path.join(args.out, f"{bench}-{which}-{r}.json"),
+                           train_args if bench == "bench_train" else None)
                 for row in data["rows"]:
                     if row.get(metric) is None:
                         continue

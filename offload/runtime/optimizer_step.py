@@ -2,9 +2,8 @@
 
 It owns the step counters, the loss scaler, the non-finite-loss guard and the choice, once
 per backward pass, of where updates run (`StepMode`):
-- `AT_STEP`: `engine.step()` at an accumulation boundary computes the fp16 overflow flag
-  and the global gradient norm across ranks, folds loss scale, accumulation and clipping
-  into one `grad_scale`, and runs the CPU Adam over every unit's shard.
+- `AT_STEP`: `engine.step()` at a boundary folds the fp16 overflow, the global norm, loss
+  scale, accumulation and clipping into one `grad_scale` and runs the CPU Adam (`apply`).
 - `IN_BACKWARD`: each unit is updated as soon as its gradient shard is final (its
   reduce-scatter completed), under the backward of the units before it. Only when nothing
   needs the whole gradient first: no clipping, no fp16 loss scale, no non-finite guard
@@ -40,9 +39,8 @@ says whether another will follow before `step()`, so the policy learns the patte
   the gradient shards as micro-batches do. Only while every boundary micro-batch so far ran
   exactly one pass does the first pass of the next one update during backward. A further
   pass after a first one that updated at `step()` simply accumulates.
-- The learning step costs that one step's overlap of the update with backward, and no
-  memory: outside transient shards every unit's gradient shard is held for the whole run
-  anyway (the planner counts it), and an update at `step()` uses the same pinned pool.
+- The learning step costs one step's overlap and no memory (outside transient shards
+  every gradient shard is held for the whole run anyway; the planner counts it).
 - Transient gradient shards (`offload.optim.sharded.transient_grad_shards`: a CPU run with
   the update in backward, gradient_accumulation_steps 1, no clipping) are the exception:
   each shard exists only from its unit's reduce to its update, and the plan counts no
@@ -58,8 +56,7 @@ says whether another will follow before `step()`, so the policy learns the patte
   every pass of a step but the last (True or None before the last), or
   `prefetch.optimizer_in_backward=false`. A run without transient shards then updates at
   `step()` from its next step on. With transient shards, either fix holds the gradient
-  shards between the passes (4 bytes per parameter more than the plan counted; a config
-  with gradient_accumulation_steps > 1 makes the planner count them).
+  shards between the passes (4 bytes per parameter the plan did not count).
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ from offload.runtime.agreement import agree_on_step, agree_on_unit
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
 from offload.runtime.optimizer_worker import OptimizerWorker
-from offload.runtime.step_scale import Outcome, needs_norm, step_scale
+from offload.runtime.step_scale import Outcome, StepScale, needs_norm, step_scale
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.update_mode import (Eligibility, Pattern, Site, learn, observed, second_pass_message,
                                          site_of_updates)
@@ -369,19 +366,36 @@ class StepPolicy:
 
     @torch.no_grad()
     def apply(self) -> Optional[FloatingPointError]:
-        """Apply (or skip) the optimizer step at a boundary; returns the error to raise once
-        the step's bookkeeping is done (nonfinite_loss='raise' and a non-finite norm)."""
+        """Apply (or skip) the optimizer step at a boundary, in named stages (DeepSpeed's
+        `stage3.step()` shape); returns the error to raise once the step's bookkeeping is
+        done (nonfinite_loss='raise' and a non-finite norm)."""
+        self._settle_backward_updates()
+        self._prepare_gradients()
+        scale, nonfinite = self._scale_of_step()
+        self._run_updates(scale.grad_scale)
+        self._advance(skipped=scale.outcome.skipped)
+        return nonfinite
+
+    def _settle_backward_updates(self) -> None:
+        """Stage 1: the updates the worker runs for this step's backward have landed (one that
+        failed is raised: the step is part-applied)."""
         t0 = now()
-        err = self.settle()  # the updates the worker runs for this step's backward
+        err = self.settle()
         if self.worker is not None:
             self.timeline.count("optimizer_wait", now() - t0)
         if err is not None:
             raise err
+
+    def _prepare_gradients(self) -> None:
+        """Stage 2: HSDP's deferred replica average, the first units' NVMe state reads started
+        (they run under the checks), and every rank's agreement on the shards."""
         self.average_across_replicas()
-        skip = self.updated
-        # NVMe: the first units' state reads run under the overflow check and the norm.
-        self.optimizer.prefetch(skip)
+        self.optimizer.prefetch(self.updated)
         self._sync_has_grad()
+
+    def _scale_of_step(self) -> tuple[StepScale, Optional[FloatingPointError]]:
+        """Stage 3: the fp16 overflow, a non-finite loss, the norm and the clip factor folded
+        into one scale, or the skip with its reason (`step_scale.step_scale`), said once."""
         unscale = 1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
         overflow = self._fp16_overflow()
         lost_loss, self._nonfinite_loss = self._nonfinite_loss, None
@@ -391,31 +405,37 @@ class StepPolicy:
             norm = self._norm if self._norm is not None else self._grad_norm(unscale)
         clip = float(self.config.gradient_clipping) if self.clip_request is None else self.clip_request
         scale = step_scale(unscale=unscale, overflow=overflow, nonfinite_loss=lost_loss is not None, norm=norm,
-                           guard=self.config.nonfinite_loss, updated_in_backward=bool(skip), clip=clip)
+                           guard=self.config.nonfinite_loss, updated_in_backward=bool(self.updated), clip=clip)
         nonfinite = self._say_skipped(scale.outcome, lost_loss, norm)
         self.counters.last_grad_norm = scale.reported_norm
-        grad_scale, overflow = scale.grad_scale, scale.outcome.skipped
+        return scale, nonfinite
+
+    def _run_updates(self, grad_scale: Optional[float]) -> None:
+        """Stage 4: every unit not updated in backward (a skip records the step only), and the
+        device-tier uploads the next forward reads."""
         tl = self.timeline
         io0 = self._io_wait()
         t0 = now()
         with tl.span("adam (step)", "optimizer", "optimizer"):
-            self.optimizer.step(grad_scale=grad_scale, skip=skip)
+            self.optimizer.step(grad_scale=grad_scale, skip=self.updated)
         tl.count("optimizer", now() - t0)
         if self.nvme is not None:
             tl.count("optimizer_io", self._io_wait() - io0)
         self.optimizer.settle_uploads()  # the next forward reads what the step uploaded
         self._check_hyperparameters()
+
+    def _advance(self, skipped: bool) -> None:
+        """Stage 5: the counters, the loss scale, the schedule; the gradients cleared."""
         self.updated = set()
         self.mode = StepMode.AT_STEP
-        self.scaler.update(overflow)
-        if overflow:
+        self.scaler.update(skipped)
+        if skipped:
             self.counters.skipped_steps += 1
         else:
             self.counters.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.discard_gradients()
-        return nonfinite
 
     def _fp16_overflow(self) -> bool:
         """fp16: whether any rank's gradient shard holds an inf or NaN (one all-reduce)."""
