@@ -58,10 +58,15 @@ def test_every_transition_of_the_pattern():
 # -- what a user sees between backward and step() ---------------------------------------------------
 
 
-def config():
+def config(nvme_path=None):
     """Updates may run in backward (nonfinite_loss off), and gradient shards are held (two
-    micro-batches a step: a CPU run with one keeps a shard only until its update, below)."""
-    return dataclasses.replace(make_config(gas=2), nonfinite_loss="off")
+    micro-batches a step: a CPU run with one keeps a shard only until its update, below).
+    `nvme_path`: parameters and optimizer states on NVMe there."""
+    cfg = dataclasses.replace(make_config(gas=2), nonfinite_loss="off")
+    if nvme_path is None:
+        return cfg
+    return dataclasses.replace(cfg, offload=dataclasses.replace(
+        cfg.offload, param_tier="nvme", optimizer_tier="nvme", nvme_path=str(nvme_path)))
 
 
 def steps(engine, rank: int = 0, world_size: int = 1, n: int = 4):
@@ -78,9 +83,9 @@ def steps(engine, rank: int = 0, world_size: int = 1, n: int = 4):
                 engine.step()
 
 
-def _fragments(rank: int, world_size: int, read: bool) -> dict:
+def _fragments(rank: int, world_size: int, read: bool, nvme_path=None) -> dict:
     torch.manual_seed(0)
-    engine = offload.initialize(TinyGPT(n_layer=2), config())
+    engine = offload.initialize(TinyGPT(n_layer=2), config(nvme_path))
     params = dict(engine.named_parameters())
     name = "blocks.1.fc.weight" if "blocks.1.fc.weight" in params else sorted(params)[-1]
     p = params[name]
@@ -97,10 +102,12 @@ def _fragments(rank: int, world_size: int, read: bool) -> dict:
     return out
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_reads_between_backward_and_step_see_the_weight_before_the_step_and_the_gradient(world_size):
-    runs = [_fragments(0, 1, True)] if world_size == 1 else run_distributed(_fragments, 2, True)
-    quiet = [_fragments(0, 1, False)] if world_size == 1 else run_distributed(_fragments, 2, False)
+def test_reads_between_backward_and_step_see_the_weight_before_the_step_and_the_gradient(world_size, tier, tmp_path):
+    path = None if tier == "cpu" else tmp_path
+    runs = [_fragments(0, 1, True, path)] if world_size == 1 else run_distributed(_fragments, 2, True, path)
+    quiet = [_fragments(0, 1, False, path)] if world_size == 1 else run_distributed(_fragments, 2, False, path)
     for got, plain in zip(runs, quiet):
         assert got["pattern"] is Pattern.OBSERVED and not any(got["in_backward"])
         # the loop that does not read still overlaps: the learning step, then in backward
