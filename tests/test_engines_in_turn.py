@@ -69,16 +69,3 @@ def test_initialize_again_on_a_held_model_takes_over(tier, tmp_path, caplog):
     second.backward(second(x, y))
     second.step()
     second.close()
-
-
-def test_a_different_model_on_the_same_nvme_path_is_still_refused(tmp_path):
-    import dataclasses
-
-    from offload.config import OffloadConfig
-
-    cfg = dataclasses.replace(make_config(), offload=OffloadConfig(
-        param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path), pinned_budget_bytes=1 << 22))
-    first = offload.initialize(TinyGPT(n_layer=1), cfg)
-    with pytest.raises(Exception, match="in use by an engine"):
-        offload.initialize(TinyGPT(n_layer=1), cfg)
-    first.close()

@@ -524,8 +524,7 @@ def test_a_smaller_restart_removes_the_stale_files_of_every_dead_rank(tmp_path):
 
 def test_an_engine_dropped_without_close_is_released(tmp_path):
     """The hooks on a model the user keeps do not keep its engine alive: dropping the
-    engine frees its swap files and lock, and a new engine on the same nvme_path starts.
-    An engine still alive names itself as the holder, with the fix."""
+    engine frees its swap files and lock, and a new engine on the same nvme_path starts."""
     import weakref
 
     model = TinyGPT()
@@ -533,8 +532,6 @@ def test_an_engine_dropped_without_close_is_released(tmp_path):
     x, y = gpt_batches(1)[0]
     engine.backward(engine(x, y))
     engine.step()
-    with pytest.raises(RuntimeError, match="in use by an engine of this process that is still alive: close"):
-        offload.initialize(TinyGPT(), tier_config(tmp_path))
     dropped = weakref.ref(engine)
     del engine
     gc.collect()

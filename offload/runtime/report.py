@@ -47,6 +47,7 @@ from offload.runtime.swap_traffic import SwapMeter, WearEstimate, swap_text, wea
 from offload.runtime.timeline import StepStats
 from offload.runtime.view import ShardedState
 from offload.sizes import format_bytes, format_count
+from offload.storage.swap import swap_held
 
 __all__ = ["StepReporter", "enable_logging"]
 
@@ -209,6 +210,13 @@ class StepReporter:
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
         if self.wear is not None:
             logger.info("%s%s", self.wear.line(), _rank_tag(s), extra={"swap_wear": self.wear.as_dict()})
+        if s.nvme is not None:
+            engines, held = swap_held(s.nvme.directory.path)
+            if engines > 1:  # [Note: one claim per process, one name per engine] in storage/swap_claim.py
+                logger.info("swap files%s: %d engines of this process are alive in %s, holding %s together "
+                            "(this one's: %s); each deletes its own at close()", _rank_tag(s), engines,
+                            s.nvme.directory.path, format_bytes(held),
+                            format_bytes(sum(f.total_bytes for f in s.nvme.directory.files.values())))
 
     def close(self) -> None:
         monitors, self.monitors = self.monitors, []

@@ -1,17 +1,20 @@
 """Swap files on NVMe: where each shard's bytes sit on disk, and who owns the files.
 
-One rank owns one swap file per tier (`rank{R}.{tier}.swap`) under
+One rank's engine owns one swap file per tier (`rank{R}.{tier}.swap`) under
 `<nvme_path>/offload-swap/`, preallocated at its full size so a full disk is found at
 `initialize`, not mid-step. Every slot starts at a 4 KiB-aligned offset and spans whole
 4 KiB pages, so each slot moves with one large O_DIRECT request on the fast path.
 
-[Note: stale swap files] A run that crashed leaves its swap files behind. Each rank holds an
-exclusive `flock` on `rank{R}.lock` for as long as its swap directory is open; the kernel
-drops the lock when the process dies however it dies. On open, a lock we can take means any
-swap file there is stale: it is deleted and recreated, never read (its bytes could be a
-half-written step). A lock we cannot take means a live run is using the directory: that is
-an error, since two runs sharing swap files would corrupt each other. In addition, a slot
-that was never written in this run refuses to be read (`SwapFile.check_readable`).
+[Note: stale swap files] A run that crashed leaves its swap files behind. Each process holds
+an exclusive `flock` on `rank{R}.lock` for as long as one of its engines has rank R's swap
+directory open ([Note: one claim per process, one name per engine] in
+offload/storage/swap_claim.py: engines of one process share it, each with files of its
+own); the kernel drops the lock when the process dies however it dies. On open, a lock we
+can take means any swap file of the rank there is stale: it is deleted and recreated, never
+read (its bytes could be a half-written step). A lock we cannot take means another live
+process is using the directory: that is an error, since two runs sharing swap files would
+corrupt each other. In addition, a slot that was never written in this run refuses to be
+read (`SwapFile.check_readable`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,8 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 from offload.sizes import ALIGNMENT as PAGE_BYTES
 from offload.sizes import align_up, format_bytes
 from offload.storage.mounts import filesystem_type, mount_of  # filesystem_type: documented here too
+from offload.storage.swap_claim import RankClaim, claim_rank, rank_of, same_file, try_lock
 
 if TYPE_CHECKING:  # annotations only: this module runs without the native I/O engine
     import torch
@@ -44,9 +46,6 @@ if TYPE_CHECKING:  # annotations only: this module runs without the native I/O e
 logger = logging.getLogger(__name__)
 
 SWAP_SUBDIR = "offload-swap"
-LOCK_WAIT_S = 2.0
-"""How long opening a swap directory waits for its rank's lock before calling the holder a
-live run (another rank may hold it for a moment while it deletes stale files)."""
 
 
 @dataclass(frozen=True)
@@ -89,39 +88,6 @@ def check_free_space(path: str, needed_bytes: int, what: str, reclaimable_bytes:
         )
 
 
-def _rank_of(name: str) -> Optional[int]:
-    """R of a swap file name `rank{R}.{tier}.swap`, else None."""
-    if not (name.startswith("rank") and name.endswith(".swap")):
-        return None
-    head = name[4:].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def _try_lock(lock_path: str) -> Optional[int]:
-    """An fd holding a rank's lock file exclusively (created if missing: its run is gone),
-    or None when a live run holds it."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    if not _same_file(fd, lock_path):  # replaced meanwhile: its new owner is alive
-        os.close(fd)
-        return None
-    return fd
-
-
-def _same_file(fd: int, path: str, dir_fd: Optional[int] = None) -> bool:
-    """Whether `path` (relative to `dir_fd` when given) is still the file open at `fd`."""
-    try:
-        st = os.stat(path, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-
-
 def stale_swap_bytes(nvme_path: str) -> int:
     """Bytes of swap files under `nvme_path` that runs which are no longer alive left behind
     (their rank's lock is free): the next `SwapDirectory` opened there deletes them, so a
@@ -142,7 +108,7 @@ def stale_swap_bytes(nvme_path: str) -> int:
 def _stale_bytes_in(dir_fd: int) -> int:
     by_rank: dict[int, list[str]] = {}
     for name in os.listdir(dir_fd):  # empty once the directory is removed
-        rank = _rank_of(name)
+        rank = rank_of(name)
         if rank is not None:
             by_rank.setdefault(rank, []).append(name)
     total = 0
@@ -154,7 +120,7 @@ def _stale_bytes_in(dir_fd: int) -> int:
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only to look: released below
-                if not _same_file(fd, f"rank{rank}.lock", dir_fd):
+                if not same_file(fd, f"rank{rank}.lock", dir_fd):
                     continue  # closed meanwhile, perhaps opened again: not known stale
             except BlockingIOError:
                 continue  # a live run's files
@@ -261,9 +227,10 @@ def make_swap_dir(path: str, key: str = "offload.nvme_path") -> None:
 
 
 class SwapDirectory:
-    """One rank's claim on `<nvme_path>/offload-swap/`: the lock, and the swap files in it.
+    """One engine's swap files for one rank under `<nvme_path>/offload-swap/`, under its
+    process's claim on the rank (`engine`: its number among the process's engines there).
 
-    Open it, create the tier files, `close()` at a clean exit (deletes the files). See
+    Open it, create the tier files, `close()` at a clean exit (deletes its own files). See
     [Note: stale swap files] above for what happens to files a crashed run left.
     """
 
@@ -278,74 +245,34 @@ class SwapDirectory:
         self.rank = rank
         # Absolute: a chdir during the run must not send close() to another directory.
         self.path = os.path.join(os.path.abspath(nvme_path), SWAP_SUBDIR)
-        self._lock_path = os.path.join(self.path, f"rank{rank}.lock")
-        self._lock_fd = self._lock()
-        self._remove_stale_files()
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(
-            self._lock_fd,
-            f"pid={os.getpid()} host={socket.gethostname()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(),
-            0,
-        )
+        # [Note: one claim per process, one name per engine] in offload/storage/swap_claim.py
+        self._claim: RankClaim
+        self._claim, self.engine, first = claim_rank(self.path, rank)
+        try:
+            self._remove_stale_files(own_rank=first)
+        except BaseException:
+            self._claim.unshare(self.engine)
+            raise
         self.files: dict[str, "SwapFile"] = {}
         self.closed = False
         _OPEN_DIRS.add(self)
         _install_signal_cleanup()  # [Note: cleanup on signals]
 
-    def _lock(self) -> int:
-        """Open and lock this rank's lock file; its descriptor.
-
-        A lock on a file that is no longer at `_lock_path` (unlinked by a clean close or by
-        another rank's stale-file cleanup between our open and our flock) is worthless: drop
-        it and open again. Another rank may hold our lock for a moment while it deletes the
-        files our crashed predecessor left; a live run holds it for its whole life, so only
-        after LOCK_WAIT_S is the holder called a live run."""
-        deadline = time.monotonic() + LOCK_WAIT_S
-        for attempt in range(1000):
-            os.makedirs(self.path, exist_ok=True)
-            try:
-                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except FileNotFoundError:
-                continue  # another rank's close() removed the (empty) directory just now
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    os.close(fd)
-                    time.sleep(0.02)
-                    continue
-                owner = _read_quietly(fd)
-                os.close(fd)
-                if owner.startswith(f"pid={os.getpid()} "):
-                    raise RuntimeError(
-                        f"swap directory {self.path} (rank {self.rank}) is in use by an engine "
-                        "of this process that is still alive: close() it first (or use `with "
-                        "offload.initialize(...) as engine:`), or drop every reference to it; "
-                        "or give this engine its own nvme_path"
-                    ) from None
-                raise RuntimeError(
-                    f"swap directory {self.path} (rank {self.rank}) is in use by another live "
-                    f"run ({owner or 'owner unknown'}); give each run its own nvme_path"
-                ) from None
-            if _same_file(fd, self._lock_path):
-                return fd
-            os.close(fd)
-        raise RuntimeError(f"could not lock {self._lock_path}: it keeps being replaced")
-
-    def _remove_stale_files(self) -> None:
-        """Delete the swap files of runs that are gone: this rank's (under our lock), and
-        every other rank's whose lock is free (held while deleting, so that rank's next run
-        cannot create its files in between) - a crash at world size 2 followed by a run at
-        world size 1 would otherwise leave rank 1's files forever."""
+    def _remove_stale_files(self, own_rank: bool) -> None:
+        """Delete the swap files of runs that are gone: this rank's (`own_rank`: under the
+        claim this process just made; a later engine of the process leaves its siblings'
+        files alone), and every other rank's whose lock is free (held while deleting, so
+        that rank's next run cannot create its files in between) - a crash at world size 2
+        followed by a run at world size 1 would otherwise leave rank 1's files forever."""
         by_rank: dict[int, list[str]] = {}
         for name in os.listdir(self.path):
-            rank = _rank_of(name)
-            if rank is not None:
+            rank = rank_of(name)
+            if rank is not None and (rank != self.rank or own_rank):
                 by_rank.setdefault(rank, []).append(name)
         for rank, names in sorted(by_rank.items()):
             fd = None
             if rank != self.rank:
-                fd = _try_lock(os.path.join(self.path, f"rank{rank}.lock"))
+                fd = try_lock(os.path.join(self.path, f"rank{rank}.lock"))
                 if fd is None:
                     continue  # a live run's files
             try:
@@ -367,7 +294,8 @@ class SwapDirectory:
         if tier in self.files:
             raise ValueError(f"swap file for tier {tier!r} already exists")
         slots, total = plan_slots(sizes)
-        path = os.path.join(self.path, f"rank{self.rank}.{tier}.swap")
+        own = f".e{self.engine}" if self.engine else ""  # the engine's own name beside others
+        path = os.path.join(self.path, f"rank{self.rank}.{tier}{own}.swap")
         swap = SwapFile(path, slots, total)
         self.files[tier] = swap
         return swap
@@ -399,13 +327,7 @@ class SwapDirectory:
             except OSError as exc:
                 failed.append((swap.path, exc))
         self.files.clear()
-        try:
-            os.unlink(self._lock_path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            failed.append((self._lock_path, exc))
-        os.close(self._lock_fd)  # closing the fd drops the flock
+        failed += self._claim.unshare(self.engine)  # the last engine of the process: the lock
         try:
             os.rmdir(self.path)  # only if no other rank's files remain
         except OSError:
@@ -446,6 +368,13 @@ _CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _installed: dict[int, signal.Handlers] = {}
 
 
+def swap_held(path: str) -> tuple[int, int]:
+    """How many open swap directories (engines, one rank each) this process has in swap
+    directory `path` (`SwapDirectory.path`), and the bytes of their swap files together."""
+    dirs = [d for d in list(_OPEN_DIRS) if d.path == path and not d.closed]
+    return len(dirs), sum(f.total_bytes for d in dirs for f in d.files.values())
+
+
 def _cleanup_and_die(signum: int, frame: object) -> None:
     for d in list(_OPEN_DIRS):
         d.discard()
@@ -462,13 +391,6 @@ def _install_signal_cleanup() -> None:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _cleanup_and_die)
             _installed[sig] = signal.SIG_DFL
-
-
-def _read_quietly(fd: int) -> str:
-    try:
-        return os.pread(fd, 256, 0).decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
 class SwapFile:
