@@ -96,15 +96,16 @@ class RankClaim:
     def unshare(self, engine: int) -> list[tuple[str, OSError]]:
         """Give share `engine` back; the last one removes the lock (the failures to delete
         it, as (path, error))."""
-        self.engines.discard(engine)
-        if self.engines:
-            return []
         with _CLAIMS_LOCK:
+            self.engines.discard(engine)
+            if self.engines:
+                return []
             if _CLAIMS.get((self.path, self.rank)) is self:
                 del _CLAIMS[(self.path, self.rank)]
         failed: list[tuple[str, OSError]] = []
         try:
-            os.unlink(self.lock_path)
+            if same_file(self.fd, self.lock_path):  # not a newer claim's lock (ours was deleted)
+                os.unlink(self.lock_path)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -123,7 +124,7 @@ def claim_rank(path: str, rank: int) -> tuple[RankClaim, int, bool]:
     is the claim's first (the caller deletes the rank's stale files then)."""
     with _CLAIMS_LOCK:
         claim = _CLAIMS.get((path, rank))
-        if claim is None or not same_file(claim.fd, claim.lock_path):
+        if claim is None:
             claim = _CLAIMS[(path, rank)] = RankClaim(path, rank)
         first, claim.fresh = claim.fresh, False
         return claim, claim.share(), first
