@@ -332,6 +332,17 @@ def test_synonyms_get_the_right_did_you_mean():
         load_config({"optimizer": {"learning_rate": 1e-3}})
 
 
+@pytest.mark.parametrize("typed,meant", [("bfloat32", "bf16"), ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"),
+                                         ("float16", "fp16"), ("half", "fp16"), ("float32", "fp32"),
+                                         ("torch.float32", "fp32")])
+def test_a_dtype_by_torchs_name_or_a_mix_of_names_gets_a_did_you_mean(typed, meant):
+    """Value typos get the suggestion key typos get (issue #49: 'bfloat32' got none)."""
+    from offload.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"precision.dtype = '{typed}'.*\(did you mean '{meant}'\?\)"):
+        load_config({"precision": {"dtype": typed}})
+
+
 def test_sizes_read_as_on_the_command_line_and_yaml_numbers_get_a_hint(tmp_path):
     from offload.config import ConfigError, ConfigTypeError, load_config
 

@@ -77,7 +77,12 @@ def type_error(key: str, value: Any, expected: str, fix: Optional[str] = None) -
 
 
 _SYNONYMS = {"gpu": "device", "cuda": "device", "learning_rate": "lr", "beta": "betas",
-             "epsilon": "eps", "wd": "weight_decay", "host": "cpu", "disk": "nvme", "ssd": "nvme"}
+             "epsilon": "eps", "wd": "weight_decay", "host": "cpu", "disk": "nvme", "ssd": "nvme",
+             # dtypes by torch's names (a `torch.` prefix is dropped first), and the mixes of
+             # them users type (bfloat32: bfloat16 and fp32)
+             "float32": "fp32", "float": "fp32", "single": "fp32", "f32": "fp32", "tf32": "fp32",
+             "float16": "fp16", "half": "fp16", "f16": "fp16",
+             "bfloat16": "bf16", "bfloat": "bf16", "bfloat32": "bf16", "brain_float16": "bf16"}
 """Words users reach for that spelling cannot lead to (a GPU tier is `device`, not `cpu`)."""
 
 
@@ -87,8 +92,9 @@ def did_you_mean(word: Any, choices: Iterable[str], what: str = "") -> str:
     lowered = {c.lower(): c for c in choices}
     if isinstance(word, str) and word.lower() in lowered:
         return f" (did you mean {lowered[word.lower()]!r}{what}?)"
-    if isinstance(word, str) and _SYNONYMS.get(word.lower()) in choices:
-        return f" (did you mean {_SYNONYMS[word.lower()]!r}{what}?)"
+    plain = word.lower().removeprefix("torch.") if isinstance(word, str) else None
+    if plain is not None and _SYNONYMS.get(plain) in choices:
+        return f" (did you mean {_SYNONYMS[plain]!r}{what}?)"
     close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}{what}?)" if close else ""
 
