@@ -352,6 +352,15 @@ def build_contenders(args, make_model, batch, device,
 
         import deepspeed
 
+        from benchmarks.peer_ops import prepare
+
+        # The ops this contender builds on first use ([Note: peer builds]): its optimizer, the
+        # CPU collectives, and the AIO op for NVMe. Dropped with the reason, or announced.
+        ops = ["cpu_adam"] + (["deepspeed_shm_comm"] if device.type == "cpu" else []) + (["async_io"] if nvme else [])
+        for op in ops:
+            why = prepare(op)
+            if why is not None:
+                raise RuntimeError(why)
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         _ensure_group(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -485,6 +494,10 @@ def main() -> None:
     p.add_argument("--compare-guard", action="store_true",
                    help="add engine_unguarded: nonfinite_loss off (the updates during backward, "
                         "no non-finite check) against the engine row's guard")
+    p.add_argument("--plan-profile", default=None, metavar="FILE",
+                   help="the machine profile the predicted steps use (default: this machine's cached "
+                        "profile, measured first if there is none: python -m offload.plan --measure)")
+    p.add_argument("--no-predict", action="store_true", help="skip the predicted-vs-measured table")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="record the engines' timelines; write PREFIX-<contender>.json (Chrome trace)")
     args = p.parse_args()
@@ -582,7 +595,7 @@ def main() -> None:
             vs_fsdp2=ratio(med.get("fsdp2", float("nan")), t),
             vs_deepspeed=ratio(med.get("deepspeed", float("nan")), t),
             vs_deepspeed_nvme=ratio(med.get("deepspeed_nvme", float("nan")), t),
-            vs_nvme_nopf=ratio(med.get("engine_nvme_all_nopf", float("nan")), t),
+            vs_engine_nvme_all_nopf=ratio(med.get("engine_nvme_all_nopf", float("nan")), t),
             pct_of_disk_peak=(
                 100.0 * row["disk_GBps"] / (0.5 * (peak["read_GBps"] + peak["write_GBps"]))
                 if row["disk_GBps"] is not None and peak else None
@@ -604,12 +617,12 @@ def main() -> None:
           "I/O wait / (bytes moved at the disk's peak)")
     ratio_peers = {"vs_engine": "engine", "vs_torch": "torch", "vs_fsdp2": "fsdp2",
                    "vs_deepspeed": "deepspeed", "vs_deepspeed_nvme": "deepspeed_nvme",
-                   "vs_nvme_nopf": "engine_nvme_all_nopf"}
+                   "vs_engine_nvme_all_nopf": "engine_nvme_all_nopf"}
     missing = {k: v for k, v in dropped.items() if k not in med}
     for name, why in missing.items():
         print(f"  not run: {name}: {why}")
-    print_table(rows, [c for c in rows[0] if c not in NVME_COLUMNS[2:]] if rows else None,
-                na=na_reasons(ratio_peers, missing))
+    step_columns = [c for c in rows[0] if c not in NVME_COLUMNS[2:]] if rows else []
+    print_table(rows, step_columns or None, na=na_reasons(ratio_peers, missing))
     nvme_rows = [r for r in rows if r["io_source"]]
     if nvme_rows:
         print("\nthe step at the disk's speed: read/write_MiB per step (io_source); floor_ms = bytes read / "
@@ -620,6 +633,9 @@ def main() -> None:
         if peak and not peak["direct"]:
             print(f"  WARNING: {args.nvme_path} refused O_DIRECT: the bandwidths are the page cache's, the floor is not the disk's")
         print_table(nvme_rows, NVME_COLUMNS)
+    predicted = []
+    if not args.no_predict:
+        predicted = _predicted(args, med, device)
     if args.timeline:
         for e in engines:
             path = f"{args.timeline}-{e.bench_name}.json"
@@ -636,11 +652,36 @@ def main() -> None:
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
         "torch_precision": torch_precision(args.dtype, device).describe(),
-        "peers_missing": missing, "ratio_peers": ratio_peers,
+        "peers_missing": missing, "ratio_peers": ratio_peers, "predicted": predicted,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
+        # The report prints the rows as this script does: the step table, then the step at
+        # the disk's speed for the rows that moved NVMe bytes (benchmarks/_report.py).
+        "tables": [{"title": "Training step", "columns": step_columns},
+                   {"title": "The step at the disk's speed (rows with NVMe traffic)", "columns": NVME_COLUMNS,
+                    "rows_with": "io_source"}],
     })
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _predicted(args, med: dict, device: torch.device) -> list[dict]:
+    """The planner's predicted step beside each engine contender's measured median
+    (benchmarks/predicted.py), printed and returned for the JSON."""
+    from benchmarks.predicted import predict_rows
+    from offload.plan.measure import measure_profile
+    from offload.plan.profile import cached_profile, load_profile
+
+    nvme = None if args.no_nvme else args.nvme_path
+    if args.plan_profile:
+        profile = load_profile(args.plan_profile)
+    else:
+        profile = cached_profile(lambda: measure_profile(nvme_path=nvme, block_size=args.block_size), nvme)
+    rows = predict_rows(med, args, profile, device.type == "cuda")
+    print(f"\npredicted vs measured (offload.plan step-time model, profile {profile.fingerprint} measured "
+          f"{profile.measured_at}); pred_over_meas 1.0 = exact")
+    if rows:
+        print_table(rows, list(rows[0]))
+    return rows
 
 
 if __name__ == "__main__":
