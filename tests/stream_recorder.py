@@ -220,14 +220,20 @@ class Recorder:
             return event
 
     def wait_stream(self, waiter: FakeStream, waited: FakeStream) -> None:
-        with self._lock:
-            if waited.tail is not None:
-                waiter.pending.append(waited.tail)
+        self._wait_on(waiter, waited.tail)
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
+        self._wait_on(stream, event.op)
+
+    def _wait_on(self, stream: FakeStream, op: Optional[Op]) -> None:
+        if op is None:
+            return
         with self._lock:
-            if event.op is not None:
-                stream.pending.append(event.op)
+            stream.pending.append(op)
+        if stream.executor is None:
+            # The compute stream is the host's own eager work: whatever runs next reads
+            # what `op` writes, so it is waited for now in real time (not on the clock).
+            op.future.result()
 
     def synchronize(self, what: Any) -> None:
         if isinstance(what, FakeEvent):

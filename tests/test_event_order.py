@@ -142,8 +142,10 @@ def updates_overlapping_backward(rec: Recorder) -> int:
         for w in rec.host_work_spans:
             if not (w.label.startswith("adam") and _in(lo, hi, w.seq)):
                 continue
-            n += any(b.seq > w.seq - 1 and b.start < w.end and w.start < b.end
-                     and b.label != f"bwd {w.label.split()[1]}" for b in bwd)
+            k = w.label.split()[1]
+            reduce = [o.seq for o in rec.ops if o.label == f"d2h {k}" and _in(lo, hi, o.seq)]
+            # a unit whose backward was launched after unit k's reduce (whenever the worker ran)
+            n += any(reduce and b.seq > reduce[0] and b.start < w.end and w.start < b.end for b in bwd)
     return n
 
 
@@ -182,7 +184,7 @@ def test_negative_control_upload_after_all_compute_waits_late(monkeypatch):
         return inner(self, t, unit, src, device, None)  # wait_stream(current): the old wait
 
     monkeypatch.setattr(ShardedOptimizer, "_upload", upload_after_everything)
-    bad = uploads_waiting_late(recorded(worker_delay=0.05))
+    bad = uploads_waiting_late(recorded(worker_delay=0.1))
     assert bad, "the upload waiting on all compute went unnoticed"
 
 
