@@ -74,7 +74,9 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 # Host waits (each one there is; tests/test_event_order.py checks the schedule on the CPU):
 # - none on autograd's thread during backward with the worker: it queues kernels and copies
 #   and hands each unit to the worker (the update on it, and a blocking copy, are the
-#   serial path: `prefetch.optimizer_worker: off`).
+#   serial path: `prefetch.optimizer_worker: off`). At world size > 1 the ranks' agreement
+#   on a unit's gradients is issued there and read back by the worker before the update
+#   (`all_reduce_host_later`).
 # - the worker, on a unit's gradient event before its update (it reads the host shard), and
 #   on a staging buffer's upload two units back (two buffers bound the copies in flight).
 # - `engine.step()` joins the worker (`StepPolicy.settle`): the norm it reports, the

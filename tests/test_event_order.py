@@ -245,6 +245,30 @@ def test_bit_identical_at_world_size_2():
         assert _same(on[r], off[r]) == []
 
 
+def _ws2_blocks(rank: int, world_size: int, flags_at_once: bool) -> list[str]:
+    if flags_at_once:  # the ranks' agreement on a unit read back on autograd's thread
+        import offload.runtime.optimizer_step as step_module
+        from offload.units.collectives import all_reduce_host
+
+        def at_once(t, op, pg, device):
+            out = all_reduce_host(t, op, pg, device)
+            return lambda: out
+
+        step_module.all_reduce_host_later = at_once
+    rec = Recorder(delay=0.005, seed=rank)
+    train(cfg(), rec, rank=rank, world_size=world_size)
+    return launch_thread_blocks(rec)
+
+
+def test_at_world_size_2_autograds_thread_never_blocks_during_backward():
+    assert run_distributed(_ws2_blocks, 2, False) == [[], []]
+
+
+def test_negative_control_the_ranks_agreement_read_at_once_blocks_it():
+    out = run_distributed(_ws2_blocks, 2, True)
+    assert all(any("blocking copy" in b for b in r) for r in out), out
+
+
 def test_negative_control_a_worker_that_does_not_wait_for_its_gradient_differs(monkeypatch):
     serial = train(cfg(worker="off"), None)
 
