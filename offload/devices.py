@@ -65,7 +65,7 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 #   staging buffer to the device, once nothing reads the old values: in backward, after the
 #   event its gradient came down after (`GradShard.arrived`, queued after the unit's own
 #   backward and reduce), so unit k's upload overlaps the later units' backward; at `step()`
-#   after the compute stream's work so far. The compute stream waits on it at
+#   after the compute stream's work so far (the user's own work since backward may read it). The compute stream waits on it at
 #   `settle_uploads` (before the next forward, a checkpoint, a state dict); a staging buffer
 #   (two, one per update in flight) is reused once its upload's event has passed.
 # - `StreamPurpose.ACTIVATIONS` (runtime/activations.py): activation checkpoints to host

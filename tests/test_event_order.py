@@ -123,14 +123,15 @@ def uploads_waiting_late(rec: Recorder) -> list[str]:
     """Uploads of unit k that wait on something recorded after unit k's reduce."""
     bad, seen = [], 0
     for lo, hi in _steps(rec):
-        for up in [o for o in rec.ops if o.label.startswith("upload") and _in(lo, hi, o.seq)]:
+        # the uploads of updates during backward (the worker's); at step() they follow all compute
+        for up in [o for o in rec.ops if o.label.startswith("upload") and _in(lo, hi, o.seq) and o.thread != "main"]:
             seen += 1
             k = up.label.split()[1]
             reduce = [o for o in rec.ops if o.label == f"d2h {k}" and _in(lo, hi, o.seq)]
             limit = reduce[0].seq if reduce else lo
             late = [w for w in up.waits if w.seq > limit]
             bad += [f"{up.label} waits on {w.label or w.stream} ({w.seq} > {limit})" for w in late]
-    assert seen >= 3 * STEPS, f"only {seen} uploads recorded"
+    assert seen >= 3 * (STEPS - 1), f"only {seen} uploads recorded"
     return bad
 
 
@@ -186,6 +187,36 @@ def test_negative_control_upload_after_all_compute_waits_late(monkeypatch):
     monkeypatch.setattr(ShardedOptimizer, "_upload", upload_after_everything)
     bad = uploads_waiting_late(recorded(worker_delay=0.1))
     assert bad, "the upload waiting on all compute went unnoticed"
+
+
+def _uploads_at_step_after_an_eval_forward() -> tuple[list, int]:
+    """The first step updates at step(); the user runs a forward between backward and step."""
+    rec = Recorder(delay=0.005)
+    with using(rec):
+        torch.manual_seed(0)
+        engine = offload.initialize(TinyGPT(n_layer=3), cfg())
+        _kernels(engine, rec)
+        (x, y), = gpt_batches(1)
+        engine.backward(engine(x, y))
+        with torch.no_grad():
+            engine(x, y)
+        last_fwd = max(o.seq for o in rec.kernels("fwd"))
+        engine.step()
+        engine.close()
+    rec.close()
+    return [o for o in rec.ops if o.label.startswith("upload")], last_fwd
+
+
+def test_an_upload_at_step_waits_for_the_users_work_since_backward():
+    uploads, last_fwd = _uploads_at_step_after_an_eval_forward()
+    assert len(uploads) >= 3 and all(any(w.seq >= last_fwd for w in up.waits) for up in uploads)
+
+
+def test_negative_control_an_upload_at_step_after_its_gradient_only_is_caught(monkeypatch):
+    inner = GradShard.wait_arrived
+    monkeypatch.setattr(GradShard, "wait_arrived", lambda self, keep_event=True: inner(self))
+    uploads, last_fwd = _uploads_at_step_after_an_eval_forward()
+    assert uploads and not all(any(w.seq >= last_fwd for w in up.waits) for up in uploads)
 
 
 def test_an_update_overlaps_a_later_units_backward():

@@ -309,7 +309,7 @@ class StepPolicy:
         part-applied), or None. Called before anything reads or writes what an update touches."""
         err = self.worker.settle() if self.worker is not None else None
         for st in self.states:  # gradients still coming down (a backward without updates)
-            st.grad_shard.wait_arrived()
+            st.grad_shard.wait_arrived(keep_event=False)  # later uploads follow all compute
         self.optimizer.settle_uploads()
         return err
 
