@@ -87,6 +87,9 @@ class UnitOptimizerState:
     slot_steps: list[int]
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
+    on_device: bool = False
+    """Master, moments and gradient shard live on the compute device and the update runs
+    there ([Note: the update split] in offload/storage/device_states.py)."""
 
     @property
     def grad(self) -> torch.Tensor:
@@ -196,6 +199,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         written back on this rank: nothing in it changes (before, its state was rewritten each
         step, bytes on the drive for nothing)."""
         self._work_set = frozenset(self._work)
+        self._device_units = frozenset(st.unit.index for st in self.unit_states if st.on_device)
+        """Units updated on the compute device by torch's kernels (`OptimizerKind.device_update`)."""
+        self._device_fn: Optional[UpdateFn] = (
+            self.record.device_update(decoupled=self.decoupled_weight_decay, moments=moments)
+            if self._device_units else None)
         self._fill_initial_state()
 
     def _adam(self) -> UpdateFn:
@@ -270,6 +278,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         active = _active_slots(st)
         new_steps = _counted_steps(st)
         runs = update_runs(st.layout, self.rank, active, new_steps)
+        if st.unit.index in self._device_units:
+            assert self._device_fn is not None, "built with the device units"
+            adam = self._device_fn
         lowp = self._lowp_target(st, t)
         if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
             # A staging buffer is stored whole: what the runs do not write (frozen or
@@ -311,8 +322,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unit.dtype == torch.float32:
             return None
         shard = self.param_tier.view(unit.key)
-        if shard is not None and shard.device.type == "cpu":
-            return shard
+        if shard is not None and (shard.device.type == "cpu" or shard.device == t.master.device):
+            return shard  # host memory, or a device unit's shard beside its state: in place
         n = unit.master_numel
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
@@ -326,8 +337,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if buf is None or buf.numel() < n or buf.dtype != unit.dtype:
             # As large as the largest shard at once, so both buffers hold the same bytes
             # whatever the update order (the planner counts 2 x the largest shard).
-            size = max(n, max((st.unit.master_numel for st in self.unit_states if st.layout.has_optimized),
-                              default=0))
+            size = max(n, max((st.unit.master_numel for st in self.unit_states
+                               if st.layout.has_optimized and not st.on_device), default=0))
             buf = self._staging[b] = (pinned_empty(size * unit.dtype.itemsize, unit.dtype)
                                       if torch.cuda.is_available() else torch.empty(size, dtype=unit.dtype))
         self._staging_in_use = b

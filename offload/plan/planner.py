@@ -32,6 +32,7 @@ from offload.config.sections import OptimizerTier, ParamTier
 from offload.dtypes import DTYPES, MOMENT_DTYPES
 from offload.optim.kinds import MOMENT_FORMATS, OptimizerArg, state_specs
 from offload.optim.sharded import transient_grad_shards
+from offload.runtime.device_split import device_units
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
 from offload.plan.tier_bytes import (
     TierBytes,
@@ -277,6 +278,10 @@ def plan(
             raise ValueError(f"a model needs at least one parameter, got {model_or_params!r}")
         spec = spec_from_count(count, ws, units, state_specs(cfg.optimizer.type, moments))
     on_gpu = machine.gpus_per_node > 0
+    # The units whose optimizer state the config puts on the compute device (the engine's choice
+    # from the same sizes: offload/runtime/device_split.py), whatever the tiers of the others.
+    on_device = device_units(cfg, unit_bytes([u.layout for u in spec.units], p_bytes, spec.states, ws)[1],
+                             [u.name for u in spec.units])
 
     estimates = []
     for pt, ot in placements:
@@ -284,7 +289,8 @@ def plan(
         transient = transient_grad_shards(cfg, on_gpu)
         rank_list = [rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, on_gpu=on_gpu,
                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes,
-                                transient_grads=transient, stage=cfg.zero_stage, world_size=ws)
+                                transient_grads=transient, stage=cfg.zero_stage, world_size=ws,
+                                device_units=on_device)
                      for r in range(ws)]
         for rb in rank_list:
             per_rank = per_rank.max(rb)
