@@ -485,6 +485,10 @@ def main() -> None:
     p.add_argument("--compare-guard", action="store_true",
                    help="add engine_unguarded: nonfinite_loss off (the updates during backward, "
                         "no non-finite check) against the engine row's guard")
+    p.add_argument("--plan-profile", default=None, metavar="FILE",
+                   help="the machine profile the predicted steps use (default: this machine's cached "
+                        "profile, measured first if there is none: python -m offload.plan --measure)")
+    p.add_argument("--no-predict", action="store_true", help="skip the predicted-vs-measured table")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="record the engines' timelines; write PREFIX-<contender>.json (Chrome trace)")
     args = p.parse_args()
@@ -620,6 +624,9 @@ def main() -> None:
         if peak and not peak["direct"]:
             print(f"  WARNING: {args.nvme_path} refused O_DIRECT: the bandwidths are the page cache's, the floor is not the disk's")
         print_table(nvme_rows, NVME_COLUMNS)
+    predicted = []
+    if not args.no_predict:
+        predicted = _predicted(args, med, device)
     if args.timeline:
         for e in engines:
             path = f"{args.timeline}-{e.bench_name}.json"
@@ -636,11 +643,31 @@ def main() -> None:
     write_json(args.json, {
         "machine": info, "args": vars(args), "n_params": n_params, "disk_peak": peak, "rows": rows,
         "torch_precision": torch_precision(args.dtype, device).describe(),
-        "peers_missing": missing, "ratio_peers": ratio_peers,
+        "peers_missing": missing, "ratio_peers": ratio_peers, "predicted": predicted,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
     })
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _predicted(args, med: dict, device: torch.device) -> list[dict]:
+    """The planner's predicted step beside each engine contender's measured median
+    (benchmarks/predicted.py), printed and returned for the JSON."""
+    from benchmarks.predicted import predict_rows
+    from offload.plan.measure import measure_profile
+    from offload.plan.profile import cached_profile, load_profile
+
+    nvme = None if args.no_nvme else args.nvme_path
+    if args.plan_profile:
+        profile = load_profile(args.plan_profile)
+    else:
+        profile = cached_profile(lambda: measure_profile(nvme_path=nvme, block_size=args.block_size), nvme)
+    rows = predict_rows(med, args, profile, device.type == "cuda")
+    print(f"\npredicted vs measured (offload.plan step-time model, profile {profile.fingerprint} measured "
+          f"{profile.measured_at}); pred_over_meas 1.0 = exact")
+    if rows:
+        print_table(rows, list(rows[0]))
+    return rows
 
 
 if __name__ == "__main__":

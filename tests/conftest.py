@@ -117,14 +117,57 @@ def _start_method() -> str:
     return "forkserver" if env == _SERVER_ENV else "spawn"
 
 
-def forkserver_matches(env: Mapping[str, str], ignore: Sequence[str] = ()) -> bool:
-    """Whether a process with environment `env` can fork from the preloaded server (its
-    import-time environment is the server's, but for the `ignore`d names); starts it on
-    first use ([Note: ranks forked from a preloaded server])."""
+def forkserver_env_diff(env: Mapping[str, str], ignore: Sequence[str] = ()) -> list[str]:
+    """The names whose values differ between `env` and the preloaded server's import-time
+    environment (set in one and not the other, or set to another value), but for the
+    `ignore`d and volatile names; starts the server on first use ([Note: ranks forked from
+    a preloaded server])."""
     _start_method()
     skip = set(_VOLATILE_ENV) | set(ignore)
-    return ({k: v for k, v in env.items() if k not in skip}
-            == {k: v for k, v in _SERVER_ENV.items() if k not in skip})
+    mine = {k: v for k, v in env.items() if k not in skip}
+    server = {k: v for k, v in _SERVER_ENV.items() if k not in skip}
+    return sorted(k for k in mine.keys() | server.keys() if mine.get(k) != server.get(k))
+
+
+def forkserver_matches(env: Mapping[str, str], ignore: Sequence[str] = ()) -> bool:
+    """Whether a process with environment `env` can fork from the preloaded server (its
+    import-time environment is the server's, but for the `ignore`d names)."""
+    return not forkserver_env_diff(env, ignore)
+
+
+def server_environment() -> dict[str, str]:
+    """A copy of the environment the preloaded server was started with (less the volatile
+    names), starting it on first use."""
+    _start_method()
+    return dict(_SERVER_ENV)
+
+
+def restore_environment(before: Mapping[str, str]) -> list[str]:
+    """Puts os.environ back to `before` but for the volatile names; returns the names it
+    changed back ([Note: each test's environment])."""
+    changed = sorted(k for k in os.environ.keys() | before.keys()
+                     if k not in _VOLATILE_ENV and os.environ.get(k) != before.get(k))
+    for k in changed:
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """[Note: each test's environment] A test that sets an environment variable in the
+    suite's own process (directly, or through a library it imports) would change every
+    later test: the run forks from the preloaded server only while os.environ is the
+    server's, so one leaked name turns every later multi-rank test and script into a fresh
+    interpreter, and a test that reads the name sees another's value. Whatever order the
+    tests run in (pytest --random-order, docs/testing.md), each starts from the environment
+    the previous one started from. The volatile names (`_VOLATILE_ENV`) are left as they are:
+    `import deepspeed` sets one for the rest of the process, as it would in a user's."""
+    before = dict(os.environ)
+    yield
+    restore_environment(before)
 
 
 def _worker(

@@ -435,10 +435,36 @@ def test_an_unused_nvme_path_is_named(tmp_path):
 def test_examples_fork_from_the_preloaded_server_after_deepspeed_was_imported():
     """`import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK for the rest of the process; the
     suite's forks must not take that for an import-time setting and fall back to fresh
-    interpreters for every later test ([Note: scripts forked from the preloaded server])."""
-    from tests.conftest import forkserver_matches
+    interpreters for every later test ([Note: scripts forked from the preloaded server]).
+    Judged from the server's own environment, not os.environ, so what earlier tests set
+    cannot decide it ([Note: each test's environment] keeps them from leaking anyway)."""
+    from tests.conftest import forkserver_env_diff, server_environment
 
-    without = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    nvml = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    without = {k: v for k, v in server_environment().items() if k != nvml}
     # the server took its environment with or without it: both must fork
-    assert forkserver_matches(without) and forkserver_matches({**without, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
-    assert not forkserver_matches({**without, "ATEN_CPU_CAPABILITY": "default"})  # an import-time one
+    for env in (without, {**without, nvml: "1"}):
+        differ = forkserver_env_diff(env)
+        assert not differ, f"these names differ from the preloaded server's environment: {differ}"
+    # an import-time one does not fork, and is named
+    isa = "sse" if without.get("ATEN_CPU_CAPABILITY") == "default" else "default"
+    assert forkserver_env_diff({**without, "ATEN_CPU_CAPABILITY": isa}) == ["ATEN_CPU_CAPABILITY"]
+
+
+def test_a_test_that_sets_an_environment_variable_leaves_it_to_itself():
+    """[Note: each test's environment]: what a test sets, changes or removes in os.environ
+    is put back after it (the autouse fixture in tests/conftest.py calls this)."""
+    from tests.conftest import restore_environment
+
+    before = dict(os.environ)
+    name = "OFFLOAD_TEST_LEAK_PROBE"
+    assert name not in before
+    os.environ[name] = "1"
+    removed = next(iter(k for k in sorted(before) if k not in ("PATH", "PYTEST_CURRENT_TEST")), None)
+    if removed is not None:
+        del os.environ[removed]
+    changed = restore_environment(before)
+    assert name in changed and name not in os.environ
+    if removed is not None:
+        assert removed in changed and os.environ[removed] == before[removed]
+    assert dict(os.environ) == before

@@ -18,7 +18,10 @@ from offload.config import Config
 from offload.dtypes import DTYPES
 from offload.optim.kinds import MOMENT_FORMATS
 from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
+from offload.plan.measure import measure_profile
 from offload.plan.planner import plan
+from offload.plan.profile import MachineProfile, cache_path, cached_profile, fingerprint, load_profile, save_profile
+from offload.plan.shapes import ModelShape, shape_from_dims, shape_from_hf_config
 from offload.plan.sharding import compare_sharding
 from offload.plan.stages import compare_stages
 from offload.plan.tier_bytes import default_units
@@ -34,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Bytes per tier (GPU, host, NVMe) for each placement of a model, and the "
                     "fastest placement that fits. Activations are not modelled: the reserves "
                     "hold them. Sizes: GB = 10**9 bytes, GiB = 2**30.")
-    p.add_argument("--params", required=True, help="parameter count: 7e9, 7B, 350M")
+    p.add_argument("--params", default=None, help="parameter count: 7e9, 7B, 350M (or give the "
+                   "model's shape: --layers/--d-model/... or --hf-config)")
     p.add_argument("--trainable", default=None,
                    help="trainable parameters (default: all); the rest are frozen (no moments)")
     p.add_argument("--gpus", type=int, default=None,
@@ -66,7 +70,63 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", action="store_true",
                    help="compare ZeRO stages 3, 2 and 1 and recommend one (offload.plan.stages)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    t = p.add_argument_group("step time (offload/plan/step_time.py): a machine profile and the model's shape")
+    t.add_argument("--measure", action="store_true",
+                   help="measure this machine's profile (under a minute), cache it, print it")
+    t.add_argument("--quick", action="store_true", help="with --measure: small sizes (seconds, rougher)")
+    t.add_argument("--profile", default=None, metavar="FILE",
+                   help="use this machine profile (JSON from --measure, e.g. another machine's) "
+                        "instead of this machine's cached one")
+    t.add_argument("--profile-out", default=None, metavar="FILE",
+                   help="with --measure: also write the profile here")
+    t.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size the NVMe figures are measured at")
+    t.add_argument("--layers", type=int, default=None, help="transformer blocks (one unit each)")
+    t.add_argument("--d-model", type=int, default=None, help="model width")
+    t.add_argument("--heads", type=int, default=None, help="attention heads (default d_model / 64)")
+    t.add_argument("--vocab", type=int, default=50304, help="vocabulary size")
+    t.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x d_model)")
+    t.add_argument("--untied", action="store_true", help="the LM head does not share the embedding")
+    t.add_argument("--hf-config", default=None, metavar="FILE", help="a transformers config.json for the shape")
+    t.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, or the config's)")
+    t.add_argument("--batch", type=int, default=1, help="micro-batch size per rank")
+    t.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
     return p
+
+
+def _shape(args: argparse.Namespace) -> Optional[ModelShape]:
+    """The model's shape from --hf-config or --layers/--d-model, else None."""
+    if args.hf_config:
+        return shape_from_hf_config(args.hf_config, seq=args.seq, batch=args.batch,
+                                    recompute=args.recompute, accumulation=args.accumulation)
+    if args.layers is None and args.d_model is None:
+        return None
+    if args.layers is None or args.d_model is None:
+        raise ValueError("a shape needs both --layers and --d-model (or --hf-config FILE)")
+    seq = args.seq or 2048
+    return shape_from_dims(layers=args.layers, d_model=args.d_model, heads=args.heads or max(1, args.d_model // 64),
+                           vocab=args.vocab, seq=seq, batch=args.batch, ffn=args.ffn, tied=not args.untied,
+                           recompute=args.recompute, accumulation=args.accumulation, positions=seq)
+
+
+def _profile(args: argparse.Namespace) -> Optional[MachineProfile]:
+    """--profile FILE; else --measure (measured now, cached); else this machine's cached
+    profile when its fingerprint matches; else None (no step times)."""
+    if args.profile:
+        return load_profile(args.profile)
+    measure = lambda: measure_profile(nvme_path=args.nvme_path, block_size=args.block_size,  # noqa: E731
+                                      quick=args.quick)
+    if args.measure:
+        return cached_profile(measure, args.nvme_path, refresh=True)
+    path = cache_path()
+    if os.path.exists(path):
+        try:
+            prof = load_profile(path)
+        except ValueError:
+            return None
+        if prof.fingerprint == fingerprint(args.nvme_path):
+            return prof
+    return None
 
 
 def _param_count(text: str, flag: str) -> int:
@@ -113,12 +173,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = Config.from_dict({"offload": {"pinned_budget_bytes": parse_bytes(args.pinned_budget)},
                                 "precision": {"dtype": args.dtype},
                                 "optimizer": {"moments_dtype": args.moments}})
-        count = _param_count(args.params, "--params")
+        profile = _profile(args)
+        if args.measure:
+            if args.profile_out:
+                save_profile(profile, args.profile_out)  # type: ignore[arg-type]
+            print(profile.describe() if profile else "")  # noqa: T201
+            print(f"cached: {cache_path()}")
+            if args.params is None and args.layers is None and args.hf_config is None:
+                return 0
+        shape = _shape(args)
+        if args.params is None and shape is None:
+            raise ValueError("give --params N, or the model's shape (--layers and --d-model, or --hf-config)")
+        count = _param_count(args.params, "--params") if args.params is not None else shape.params  # type: ignore[union-attr]
         what: Any = count
-        kw: dict[str, Any] = {"units": args.units}
+        kw: dict[str, Any] = {"units": args.units, "profile": profile}
+        if shape is not None:
+            if args.params is not None and abs(shape.params - count) > 0.05 * count:
+                raise ValueError(f"--params {args.params} differs from the shape's {shape.params:,} "
+                                 "parameters by more than 5%; give one of them")
+            what, kw = shape, {"profile": profile}
         if args.trainable is not None:
             what = _frozen_split_model(count, _param_count(args.trainable, "--trainable"), args.units)
-            kw = {}
+            kw = {"profile": profile}
         if args.stages and args.sharding:
             raise ValueError("--stages and --sharding are two comparisons; ask for one (hybrid "
                              "sharding runs at stage 3)")
@@ -127,6 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    if shape is not None and profile is None and not args.json:
+        print("no machine profile for this machine: measure one (python -m offload.plan --measure "
+              "[--nvme-path DIR]) or give --profile FILE for step times")
     return 0 if result.recommended is not None else 1
 
 

@@ -34,11 +34,15 @@ from offload.optim.kinds import MOMENT_FORMATS, OptimizerArg, state_specs
 from offload.optim.sharded import transient_grad_shards
 from offload.runtime.device_split import device_units
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
+from offload.plan.profile import MachineProfile
+from offload.plan.shapes import ModelShape, shape_from_model
+from offload.plan.step_time import StepPrediction, StepSettings, predict_step
 from offload.plan.tier_bytes import (
     TierBytes,
     disk_bytes_per_step,
     rank_bytes,
     spec_from_count,
+    spec_from_counts,
     spec_from_model,
     working_bytes,
 )
@@ -105,6 +109,9 @@ class PlacementEstimate:
     fits: bool
     problems: tuple[str, ...]
     """Why it does not fit (or cannot run), one line per tier."""
+    predicted: Optional[StepPrediction] = None
+    """The step-time model's step (offload/plan/step_time.py), given a machine profile and
+    the model's shape; None without them."""
 
     @property
     def name(self) -> str:
@@ -131,6 +138,11 @@ class Plan:
     """Which units that budget keeps in RAM (offload/storage/placement.py)."""
     split_disk_bytes_per_step: int = 0
     """The recommended placement's disk bytes per step with `split` applied."""
+    activation_bytes: int = 0
+    """Per rank, the activations modelled from the model's shape (0 without one), counted in
+    each placement's `working_device_bytes`."""
+    shape: Optional[str] = None
+    """The model's shape, in words, when one was given."""
 
     def estimate(self, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
         for e in self.estimates:
@@ -158,13 +170,15 @@ class Plan:
                  "per_rank": e.per_rank.as_dict(), "per_node": e.per_node.as_dict(),
                  "working_device_bytes": e.working_device_bytes,
                  "disk_bytes_per_step": e.disk_bytes_per_step, "fits": e.fits,
-                 "problems": list(e.problems)}
+                 "problems": list(e.problems),
+                 "predicted": None if e.predicted is None else e.predicted.to_dict()}
                 for e in self.estimates
             ],
             "recommended": None if self.recommended is None else self.recommended.name,
             "reason": self.reason,
             "hints": list(self.hints),
             "ram_budget_bytes": self.ram_budget_bytes,
+            "activation_bytes": self.activation_bytes, "shape": self.shape,
             "split": None if self.split is None else {
                 "param_on_nvme": list(self.split.param_on_nvme),
                 "state_on_nvme": list(self.split.state_on_nvme),
@@ -185,19 +199,30 @@ class Plan:
             f"reserved (not planned into): {gpu_reserve}host {format_size(m.cpu_reserve_bytes)} "
             f"per node{nvme_reserve}",
             self._bytes_per_param_line(),
-            "activations are the model's and are NOT modelled: the reserves must hold them "
-            "(and the CUDA context); 'work' is the engine's gathered parameters and gradient "
+            ("activations are the model's and are NOT modelled: the reserves must hold them "
+             "(and the CUDA context); " if self.shape is None else
+             f"shape: {self.shape}; activations {format_size(self.activation_bytes)} per rank (modelled "
+             "from the shape, counted in work/rank); ")
+            + "'work' is the engine's gathered parameters and gradient "
             "buffers during forward/backward (estimate); 'pinned' is the NVMe staging budget; "
             "host/node includes it.",
             "",
         ]
+        timed = any(e.predicted is not None for e in self.estimates)
         head = ["params", "optimizer", f"{gpu_word}/rank", "work/rank", "host/rank", "pinned/rank",
-                "nvme/rank", "host/node", "nvme/node", "disk/step", "fits"]
+                "nvme/rank", "host/node", "nvme/node", "disk/step"]
+        head += ["step", "tokens/s", "bound by"] if timed else []
+        head += ["fits"]
         rows = []
         for e in self.estimates:
             sizes = (e.per_rank.device, e.working_device_bytes, e.per_rank.host, e.per_rank.pinned,
                      e.per_rank.nvme, e.per_node.host_total, e.per_node.nvme, e.disk_bytes_per_step)
-            rows.append([e.param_tier, e.optimizer_tier, *map(format_size, sizes),
+            times = []
+            if timed:
+                pr = e.predicted
+                times = (["-", "-", "not predicted"] if pr is None else
+                         [_seconds(pr.step_s), f"{pr.tokens_per_s:,.0f}", pr.bound_text()])
+            rows.append([e.param_tier, e.optimizer_tier, *map(format_size, sizes), *times,
                          "yes" if e.fits else "no: " + "; ".join(e.problems)])
         widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head) - 1)]
         fmt_row = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
@@ -235,8 +260,12 @@ class Plan:
                 + f"; a frozen parameter: its {p} B parameter only")
 
 
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
+
+
 def plan(
-    model_or_params: Union[nn.Module, int, float, str],
+    model_or_params: Union[nn.Module, ModelShape, int, float, str],
     *,
     machine: Optional[Machine] = None,
     config: Any = None,
@@ -245,6 +274,8 @@ def plan(
     moments: Optional[str] = None,
     units: Optional[int] = None,
     placements: Sequence[tuple[ParamTier, OptimizerTier]] = PLACEMENTS,
+    profile: Optional[MachineProfile] = None,
+    tokens: Optional[int] = None,
 ) -> Plan:
     """Bytes per tier for each placement of `model_or_params` on `machine`, and the fastest
     placement that fits.
@@ -257,7 +288,12 @@ def plan(
         come from it, unless `dtype` ('fp32'/'bf16'/'fp16') or `moments` ('fp32'/'bf16'/'8bit')
         override them.
     units: for a bare count, how many equal units to lay it out in (default
-        `offload.plan.tier_bytes.default_units`).
+        `offload.plan.tier_bytes.default_units`). A `ModelShape` (offload/plan/shapes.py)
+        lays out its own units.
+    profile: a machine profile (offload/plan/profile.py). With it and the model's shape (a
+        `ModelShape`, or a module with `tokens` per step), each placement gets a predicted
+        step (offload/plan/step_time.py) and the recommendation is the fastest predicted
+        placement that fits, instead of the fixed order of `PLACEMENTS`.
     """
     cfg = load_config(config)
     dtype = dtype or cfg.precision.dtype
@@ -270,8 +306,15 @@ def plan(
     if machine is None:
         machine = machine_from_system(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"), 1)
     ws = machine.world_size
-    if isinstance(model_or_params, nn.Module):
+    shape: Optional[ModelShape] = None
+    if isinstance(model_or_params, ModelShape):
+        shape = model_or_params
+        spec = spec_from_counts([u.params for u in shape.units], ws, state_specs(cfg.optimizer.type, moments))
+    elif isinstance(model_or_params, nn.Module):
         spec = spec_from_model(model_or_params, cfg, optimizer, ws, p_bytes, moments)
+        if tokens is not None:
+            shape = shape_from_model(model_or_params, tokens=tokens, unit_modules=tuple(cfg.unit_modules),
+                                     leaf_modules=tuple(cfg.leaf_modules))
     else:
         count = parse_count(model_or_params)
         if count < 1:
@@ -282,6 +325,8 @@ def plan(
     # from the same sizes: offload/runtime/device_split.py), whatever the tiers of the others.
     on_device = device_units(cfg, unit_bytes([u.layout for u in spec.units], p_bytes, spec.states, ws)[1],
                              [u.name for u in spec.units])
+    # With the model's shape, its activations (offload/plan/shapes.py) join the working set.
+    activation_bytes = int(shape.activation_elems() * p_bytes) if shape is not None else 0
 
     estimates = []
     for pt, ot in placements:
@@ -305,16 +350,32 @@ def plan(
                              keep_bytes=cfg.prefetch.keep_bytes, stage=cfg.zero_stage)
         if transient:  # the fp32 gradient shards of the units between reduce and update
             work += 2 * max((u.layout.shard_master_numel(0) * 4 for u in spec.units), default=0)
+        work += activation_bytes
         disk = disk_bytes_per_step(spec, pt, ot, p_bytes=p_bytes, world_size=ws)
         problems = _problems(machine, per_rank, per_node, work, pt, ot)
+        predicted = None
+        if shape is not None and profile is not None:
+            settings = replace(StepSettings.from_config(cfg, pt, ot, on_gpu=on_gpu, world_size=ws),
+                               dtype=dtype, moments=moments)
+            try:
+                predicted = predict_step(shape, profile, settings)
+            except ValueError as exc:  # the profile lacks a figure this placement needs
+                logger.debug("no step-time prediction for %s/%s: %s", pt, ot, exc)
         estimates.append(PlacementEstimate(pt, ot, per_rank, per_node, work, disk,
-                                           not problems, tuple(problems)))
+                                           not problems, tuple(problems), predicted))
+    if any(e.predicted is not None for e in estimates):
+        # Fastest predicted first; placements the profile cannot time keep their fixed order after.
+        estimates.sort(key=lambda e: (e.predicted is None, e.predicted.step_s if e.predicted else 0.0))
     fitting = [e for e in estimates if e.fits]
     if fitting:
         best = fitting[0]
         slower = [e.name for e in estimates[: estimates.index(best)]]
         per_param = best.disk_bytes_per_step * ws / max(1, spec.trainable_params)
         reason = _REASONS[(best.param_tier, best.optimizer_tier)].format(disk=f"{per_param:.3g}")
+        if best.predicted is not None:
+            pr = best.predicted
+            reason = (f"fastest predicted step that fits: {_seconds(pr.step_s)} ({pr.tokens_per_s:,.0f} "
+                      f"tokens/s), bound by {pr.bound_text()}; " + reason)
         if slower:
             reason += f"; faster placements do not fit ({', '.join(slower)})"
     else:
@@ -332,7 +393,8 @@ def plan(
     if best is not None and _on_disk(best.param_tier, best.optimizer_tier):
         budget, split, split_disk = _ram_split(spec, best, machine, p_bytes)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
-                best, reason, hints, budget, split, split_disk)
+                best, reason, hints, budget, split, split_disk, activation_bytes,
+                None if shape is None else shape.source)
 
 
 def _on_disk(*tiers: str) -> bool:

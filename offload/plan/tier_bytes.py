@@ -29,7 +29,7 @@ from offload.storage.tier_kind import TierKind
 from offload.units.partition import plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, UnitLayout, layout_unit
 
-__all__ = ["UnitSpec", "ModelSpec", "spec_from_model", "spec_from_count", "default_units",
+__all__ = ["UnitSpec", "ModelSpec", "spec_from_model", "spec_from_count", "spec_from_counts", "default_units",
            "TierBytes", "rank_bytes", "working_bytes", "disk_bytes_per_step"]
 
 
@@ -118,6 +118,16 @@ def spec_from_count(params: int, world_size: int, units: Optional[int],
         numel = per + (1 if i < extra else 0)
         specs.append(UnitSpec(layout_unit([(f"unit{i}", (numel,), 0)], world_size), True))
     return ModelSpec(tuple(specs), 0, params, params, states)
+
+
+def spec_from_counts(counts: "list[int]", world_size: int,
+                     states: tuple[StateSpec, ...] = uniform_specs(ADAM_STATE, torch.float32)) -> ModelSpec:
+    """Units of the given parameter counts (index 0 the root: a model shape's units,
+    offload/plan/shapes.py), every one trainable, through the engine's layout function."""
+    specs = [UnitSpec(layout_unit([(f"unit{i}", (n,), 0)] if n else [], world_size), n > 0)
+             for i, n in enumerate(counts)]
+    total = sum(counts)
+    return ModelSpec(tuple(specs), 0, total, total, states)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Measuring a machine profile (offload/plan/profile.py): `python -m offload.plan --measure`.
+
+Each figure is the median of a few timed repetitions after one untimed warm-up, on buffers
+large enough to leave the caches (the full sizes; `quick` uses small ones, for tests and a
+first look: its rates are rougher). The whole profile takes under a minute on a laptop. The
+optimizer and the disk are measured with the engine's own code: the native Adam kernels
+(`adam_step_flat`, `adam8bit_step_flat`) at each thread count, and `offload.storage.io`'s
+AIO engine with O_DIRECT at the tiers' block size on a file under `nvme_path`.
+
+A machine shared with other work measures slower than it is when idle, and the figures say
+what the step will get on the machine as it was: measure when the machine is as it will be
+during training.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+import torch
+
+from offload.plan.profile import Figure, MachineProfile, MatmulRate, OptimizerRate, fingerprint, hardware_text
+
+__all__ = ["measure_profile", "thread_counts"]
+
+MATMUL_SIZES = (256, 512, 1024, 2048)
+"""d_model values the CPU matmul rate is measured at (the model interpolates between)."""
+
+
+def _median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+    fn()  # warm-up: page faults, first-touch, kernel selection
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def thread_counts(cores: int) -> tuple[int, ...]:
+    """1, powers of two below `cores`, and `cores`."""
+    out = {1, cores}
+    t = 2
+    while t < cores:
+        out.add(t)
+        t *= 2
+    return tuple(sorted(out))
+
+
+def _host_bandwidth(quick: bool) -> Figure:
+    n = (32 if quick else 256) << 20
+    src = torch.ones(n // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), 3 if quick else 5)
+    return Figure(value=2 * n / t / 1e9, unit="GB/s",
+                  method=f"torch copy_ of {n >> 20} MiB fp32, bytes read + written / median time of "
+                         f"{3 if quick else 5}")
+
+
+def _optimizer_rates(quick: bool, cores: int) -> tuple[OptimizerRate, ...]:
+    from offload.optim.adam8bit import Moments8bit, adam8bit_step_flat
+    from offload.optim.functional import adam_step_flat
+
+    n = (1 if quick else 8) << 20
+    reps = 2 if quick else 3
+    master = torch.randn(n)
+    grad = torch.randn(n) * 1e-3
+    out = []
+    state: dict[str, tuple[torch.Tensor, ...]] = {
+        "fp32": (torch.zeros(n), torch.zeros(n)),
+        "bf16": (torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)),
+        "8bit": tuple(Moments8bit.zeros(n)),
+    }
+    for moments, tensors in state.items():
+        for threads in thread_counts(cores):
+            step = [0]
+
+            def run(moments: str = moments, t: tuple[torch.Tensor, ...] = tensors, threads: int = threads) -> None:
+                step[0] += 1
+                if moments == "8bit":
+                    adam8bit_step_flat(master, grad, t[0], t[1], t[2], t[3], step=step[0], lr=1e-4, beta1=0.9,
+                                       beta2=0.999, eps=1e-8, weight_decay=0.01, threads=threads)
+                else:
+                    adam_step_flat(master, grad, t[0], t[1], step=step[0], lr=1e-4, beta1=0.9, beta2=0.999,
+                                   eps=1e-8, weight_decay=0.01, threads=threads)
+
+            t = _median_time(run, reps)
+            out.append(OptimizerRate(moments=moments, threads=threads, rate=Figure(
+                value=n / t, unit="elements/s",
+                method=f"native Adam step ({moments} moments, fp32 master and gradient) on {n >> 20}M "
+                       f"elements, {threads} thread(s), median of {reps}")))
+    return tuple(out)
+
+
+def _matmul_rates(device: torch.device, quick: bool, dtypes: tuple[str, ...]) -> tuple[MatmulRate, ...]:
+    sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = []
+    for dt in dtypes:
+        torch_dt = torch.float32 if dt == "fp32" else torch.bfloat16
+        for d in sizes:
+            tokens = 512 if quick else 2048
+            if device.type == "cuda":
+                tokens = 8192
+            a = torch.randn(tokens, d, device=device).to(torch_dt)
+            b = torch.randn(d, 4 * d, device=device).to(torch_dt)
+            reps = 2 if quick else 3
+            t = _median_time(lambda: torch.mm(a, b), reps, sync)
+            out.append(MatmulRate(device=device.type, dtype=dt, d_model=d, rate=Figure(
+                value=2 * tokens * d * 4 * d / t, unit="FLOP/s",
+                method=f"torch.mm ({tokens} x {d}) @ ({d} x {4 * d}) in {dt}, {torch.get_num_threads()} "
+                       f"torch thread(s), 2mnk / median time of {reps}")))
+    return tuple(out)
+
+
+def _nvme(path: str, block_size: int, quick: bool) -> tuple[Figure, Figure]:
+    from offload.storage.io import AIOHandle, aligned_empty
+
+    n = (16 if quick else 256) << 20
+    reps = 2 if quick else 3
+    os.makedirs(path, exist_ok=True)
+    f = os.path.join(path, f"offload-profile-{os.getpid()}.bin")
+    buf = aligned_empty(n)
+    buf.fill_(1)
+    w, r = [], []
+    direct = True
+    try:
+        with AIOHandle(block_size, 32, 2) as h:
+            req = h.pwrite(buf, f, 0)  # the first write allocates the file's blocks: not timed
+            req.wait()
+            direct = bool(req.direct)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                h.pwrite(buf, f, 0).wait()
+                w.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                h.pread(buf, f, 0).wait()
+                r.append(time.perf_counter() - t0)
+    finally:
+        if os.path.exists(f):
+            os.unlink(f)
+    how = (f"offload.storage.io AIOHandle, {'O_DIRECT' if direct else 'BUFFERED (O_DIRECT refused: the page cache)'}"
+           f", block {block_size} B, queue depth 32, 2 threads, {n >> 20} MiB file under {path}, median of {reps}")
+    return (Figure(value=n / statistics.median(r) / 1e9, unit="GB/s", method="read: " + how),
+            Figure(value=n / statistics.median(w) / 1e9, unit="GB/s", method="overwrite: " + how))
+
+
+def _gpu(quick: bool) -> dict[str, object]:
+    dev = torch.device("cuda")
+    n = (64 if quick else 512) << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
+    sync = torch.cuda.synchronize
+    reps = 3
+    h2d = _median_time(lambda: gpu.copy_(host, non_blocking=True), reps, sync)
+    d2h = _median_time(lambda: host.copy_(gpu, non_blocking=True), reps, sync)
+    how = f"{n >> 20} MiB pinned host buffer, copy_ non_blocking + synchronize, median of {reps}"
+    free, _total = torch.cuda.mem_get_info(dev)
+    del gpu
+    return {
+        "h2d": Figure(value=n / h2d / 1e9, unit="GB/s", method="host to device: " + how),
+        "d2h": Figure(value=n / d2h / 1e9, unit="GB/s", method="device to host: " + how),
+        "gpu_matmul": _matmul_rates(dev, quick, ("bf16",)),
+        "gpu_free_bytes": Figure(value=float(free), unit="bytes", method="torch.cuda.mem_get_info"),
+        "gpu_name": torch.cuda.get_device_name(dev),
+    }
+
+
+def measure_profile(*, nvme_path: Optional[str] = None, block_size: int = 1 << 20,
+                    quick: bool = False) -> MachineProfile:
+    """Measure this machine (see the module docstring). `nvme_path`: a directory on the disk
+    the NVMe tiers will use (None: no NVMe figures); `block_size`: the tiers' `aio.block_size`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    absent = []
+    kw: dict[str, object] = {}
+    if nvme_path:
+        kw["nvme_read"], kw["nvme_write"] = _nvme(nvme_path, block_size, quick)
+        kw["nvme_block_size"], kw["nvme_path"] = block_size, nvme_path
+    else:
+        absent.append("no nvme_path: no NVMe figures (give --nvme-path DIR)")
+    if torch.cuda.is_available():
+        kw.update(_gpu(quick))
+    else:
+        absent.append("no GPU: no host-device copies, GPU matmul or GPU memory (compute on the CPU)")
+    return MachineProfile(
+        fingerprint=fingerprint(nvme_path), hardware=hardware_text(nvme_path),
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), quick=quick,
+        cpu_threads=cores, host_bandwidth=_host_bandwidth(quick),
+        optimizer=_optimizer_rates(quick, cores),
+        cpu_matmul=_matmul_rates(torch.device("cpu"), quick, ("fp32", "bf16")),
+        absent=tuple(absent), **kw)  # type: ignore[arg-type]
