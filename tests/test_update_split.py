@@ -325,3 +325,45 @@ def test_device_split_keys_accept_counts_names_and_fractions():
     with pytest.raises(NotImplementedError, match="8-bit"):
         offload.initialize(TinyGPT(), Config(compute_device="cpu", optimizer={"moments_dtype": "8bit"},
                                              offload=OffloadConfig(optimizer_device_units=1)))
+
+
+# -- placement: auto sizes the split --------------------------------------------------------------
+
+
+def test_the_split_rule_balances_device_and_cpu_update_time():
+    """[Note: the split rule], by hand: 4 units of 1e9 elements, CPU 1e9/s, device 1e10/s, 1 s
+    of compute. k on the device: max(1 + 0.1 k, 4 - k) = 4, 3, 2, 1.3, 1.4 s -> k = 3."""
+    from offload.plan.update_split import SplitRates, choose_device_split
+
+    rates = SplitRates(cpu_elems_per_s=1e9, device_elems_per_s=1e10, compute_s=1.0)
+    got = choose_device_split([10**9] * 4, [100] * 4, 10**6, rates)
+    assert (got.units, got.bytes) == (3, 300) and got.step_s == pytest.approx(1.3)
+    assert got.all_cpu_step_s == pytest.approx(4.0)
+    assert choose_device_split([10**9] * 4, [100] * 4, 250, rates).units == 2  # the room binds
+    assert choose_device_split([10**9] * 4, [100] * 4, 0, rates).units == 0
+    # a device no faster than compute hides the CPU updates under: nothing to gain
+    slow = SplitRates(cpu_elems_per_s=1e9, device_elems_per_s=1e9, compute_s=10.0)
+    assert choose_device_split([10**9] * 4, [100] * 4, 10**6, slow).units == 0
+
+
+def test_the_planner_sizes_the_split_within_the_gpu_memory_left():
+    """On a GPU machine the plan puts the first units' optimizer state on the GPU, as many as
+    the rule takes within the GPU memory left after parameters, working set and activations;
+    it says how much activation recompute would free, and writes the count into the config."""
+    from offload.plan import make_machine, plan
+    from offload.plan.shapes import shape_from_dims
+
+    shape = shape_from_dims(layers=24, d_model=2048, heads=16, vocab=50304, seq=1024, batch=8)
+    machine = make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="256GiB")
+    p = plan(shape, machine=machine, config=Config(precision={"dtype": "bf16"}))
+    d = p.device_split
+    assert d is not None and 0 < d.units <= len(shape.units) and d.bytes <= d.room_bytes
+    assert d.step_s < d.all_cpu_step_s
+    assert p.config_snippet()["offload"]["optimizer_device_units"] == d.units
+    assert p.recompute_frees_bytes > 0 and "activation recompute" in str(p)
+    # less GPU memory, fewer units; none at all without room
+    small = plan(shape, machine=make_machine(gpus=1, gpu_mem="24GiB", cpu_mem="256GiB"),
+                 config=Config(precision={"dtype": "bf16"}))
+    assert small.device_split is None or small.device_split.units < d.units
+    assert plan(shape, machine=make_machine(gpus=0, cpu_mem="256GiB"),
+                config=Config(precision={"dtype": "bf16"})).device_split is None  # a CPU run: no GPU
