@@ -367,3 +367,12 @@ def test_the_planner_sizes_the_split_within_the_gpu_memory_left():
     assert small.device_split is None or small.device_split.units < d.units
     assert plan(shape, machine=make_machine(gpus=0, cpu_mem="256GiB"),
                 config=Config(precision={"dtype": "bf16"})).device_split is None  # a CPU run: no GPU
+
+
+def test_the_initialize_line_names_the_units_updated_on_the_device(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="offload"):
+        offload.initialize(TinyGPT(), config("mixed")).close()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("initialized"))
+    assert "for 2/3 units (<root>, blocks.0) on the compute device, updated there" in line, line
