@@ -376,3 +376,54 @@ def test_the_initialize_line_names_the_units_updated_on_the_device(caplog):
         offload.initialize(TinyGPT(), config("mixed")).close()
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("initialized"))
     assert "for 2/3 units (<root>, blocks.0) on the compute device, updated there" in line, line
+
+
+# -- other kinds, and the NVMe tier beside the device ---------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Adagrad", "Lion"])
+def test_lion_and_adagrad_update_on_the_device_within_their_bound(kind, tmp_path):
+    """The kinds' torch reference updates on the device units (offload/optim/device_update.py),
+    beside the native CPU kernels and beside the NVMe store, against their plain loops."""
+    from tests.test_optimizers_engine import fp32_bound as kind_bound
+    from tests.test_optimizers_engine import make_config as kind_config
+    from tests.test_optimizers_engine import trained as kind_trained
+
+    bound = kind_bound(kind)
+    for split in ({"optimizer_device_units": 1}, {"optimizer_tier": "device"}):
+        cfg = kind_config(kind)
+        cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **split))
+        bound.check(kind_trained(cfg), f"{kind} engine, {split}")
+    cfg = kind_config(kind, "nvme", tmp_path / "n")
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_device_units=1))
+    bound.check(kind_trained(cfg), f"{kind} engine, root on the device, the rest on NVMe")
+
+
+def test_nvme_beside_the_device_trains_and_checkpoints_across_splits(tmp_path):
+    """optimizer_tier nvme with the root and blocks.0 on the device: within the AdamW bound;
+    its checkpoint loads bit-exactly into an all-CPU engine, and back."""
+    nv = {"nvme_path": str(tmp_path / "swap"), "pinned_budget_bytes": 1 << 26}
+    SPLITS["nvme_mixed"] = {"optimizer_tier": "nvme", "optimizer_device_units": 2}
+    try:
+        sd, info = train(config("nvme_mixed", **nv))
+        assert info["on_device"] == [True, True, False] and info["memory"]["nvme"] > 0
+        bound("fp32").check(sd, "split nvme + device")
+        torch.manual_seed(0)
+        a = offload.initialize(TinyGPT(), config("nvme_mixed", **nv))
+        for x, y in gpt_batches(4):
+            a.backward(a(x, y))
+            a.step()
+        a.save_checkpoint(str(tmp_path / "ck"))
+        saved = _states(a)
+        a.close()
+        b = offload.initialize(_seeded(), config("cpu"))
+        b.load_checkpoint(str(tmp_path / "ck"))
+        _assert_same(saved, _states(b), "nvme + device -> cpu")
+        b.save_checkpoint(str(tmp_path / "ck2"))
+        b.close()
+        c = offload.initialize(_seeded(), config("nvme_mixed", **nv))
+        c.load_checkpoint(str(tmp_path / "ck2"))
+        _assert_same(saved, _states(c), "cpu -> nvme + device")
+        c.close()
+    finally:
+        del SPLITS["nvme_mixed"]
