@@ -181,6 +181,13 @@ class Engine:
         self._marked_generation = mark_synced_generation(model, self.world_size)  # [Note: generation in step]
         self.reporter = StepReporter(self.sharded_state)  # logs, step report, monitors
         self.reporter.log_built()
+        if config.logging.tokens_per_step and config.logging.steps_per_print:
+            from offload.plan.engine_prediction import predict_for_engine  # the planner, handed down
+
+            predicted = predict_for_engine(model, config, on_gpu=self.device.type == "cuda",
+                                           world_size=self.world_size)
+            if predicted is not None:
+                self.reporter.predicted_step_s, self.reporter.predicted_bound = predicted.step_s, predicted.bound_text()
         LIVE_ENGINES.add(self)  # built: zero.GatheredParameters / safe_get_* may find it
 
     # -- the user's loop -------------------------------------------------------------------
@@ -241,9 +248,12 @@ class Engine:
         if not boundary:
             return
         try:
-            # The CPU Adam rewrites host shards that asynchronous host-to-device copies of
-            # this step's gathers read from: those copies must have landed first.
-            self.sharded_state.sync_device()
+            # The CPU Adam at step() rewrites host shards that asynchronous host-to-device
+            # copies of this step's gathers read from: those copies must have landed first.
+            # Updates run during backward waited for their unit's own copies instead
+            # ([Note: streams and threads] in offload/devices.py).
+            if self.policy.updates_at_step():
+                self.sharded_state.sync_device()
             self.gather.before_optimizer_step()
             nonfinite = self.policy.apply()
             self.gather.prefetch_next_iteration()

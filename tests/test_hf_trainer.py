@@ -476,48 +476,6 @@ def test_a_model_loaded_into_shards_evaluates_and_trains(tmp_path) -> None:
     t.engine.close()
 
 
-# -- TRL: OffloadTrainerMixin on another Trainer subclass -------------------------------------
-
-
-def test_trl_sft_trainer_with_the_mixin_matches_plain_trl(tmp_path) -> None:
-    trl = pytest.importorskip("trl", reason="the TRL test needs trl (not in the hf extra)")
-    datasets = pytest.importorskip("datasets", reason="TRL's SFTTrainer takes a datasets.Dataset")
-    from tokenizers import Tokenizer, models
-
-    from offload.integrations.hf import OffloadTrainerMixin
-
-    class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer):
-        pass
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")), pad_token="t0", eos_token="t0")
-    ds = datasets.Dataset.from_list([{"input_ids": s["input_ids"].tolist()} for s in token_data()])
-    runs: dict[str, Any] = {}
-    for variant in ("truth", "plain", "fused", "offload"):
-        args = trl.SFTConfig(
-            output_dir=str(tmp_path / variant), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-            num_train_epochs=1, learning_rate=LR, max_grad_norm=CLIP, logging_steps=1, report_to=[],
-            use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no",
-            optim="adamw_torch_fused" if variant == "fused" else "adamw_torch")
-        model = tiny_model("llama", torch.float64 if variant == "truth" else torch.float32)
-        if variant == "offload":
-            t = OffloadSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                                  offload_config={"compute_device": "cpu"})
-            t.train()
-            weights = t.engine.full_state_dict()
-            assert t.engine.global_steps == t.state.global_step == 7
-            t.engine.close()
-        else:
-            t = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
-            t.train()
-            weights = {k: v.detach().to(torch.float64 if variant == "truth" else torch.float32, copy=True)
-                       for k, v in model.state_dict().items()}
-        runs[variant] = weights
-    bound = Fp32Bound(runs["truth"], {v: runs[v] for v in ("plain", "fused")})
-    bound.check(runs["offload"], "TRL SFTTrainer + OffloadTrainerMixin")
-
-
 # -- torchrun on a CPU-only machine without use_cpu (issue #33) --------------------------------------
 
 

@@ -240,3 +240,39 @@ def test_cli_ranks_placements_by_predicted_step(tmp_path, capsys):
     best = min(fitting, key=lambda p: p["predicted"]["step_s"])
     assert out["recommended"] == f"{best['param_tier']}/{best['optimizer_tier']}"
     assert out["placements"][0]["predicted"]["step_s"] < best["predicted"]["step_s"]  # faster, not fitting
+
+
+def test_step_report_shows_the_predicted_step_beside_the_measured(tmp_path, monkeypatch, caplog):
+    """The engine predicts its step from this machine's cached profile and hands the number
+    to the step report; without a cached profile of this machine the report has none."""
+    from dataclasses import replace
+
+    import torch
+
+    import offload
+    from tests.conftest import TinyGPT, gpt_batches
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="offload")
+    config = {"logging": {"steps_per_print": 1, "tokens_per_step": 4 * 16}}
+
+    def run() -> list[dict]:
+        caplog.clear()
+        torch.manual_seed(0)
+        with offload.initialize(TinyGPT(), config) as engine:
+            for x, y in gpt_batches(2):
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+        return [r.step_report for r in caplog.records if hasattr(r, "step_report")]
+
+    without = run()  # negative control: no cached profile, no prediction
+    assert without and all(r["predicted_step_s"] is None for r in without)
+    assert not any("predicted" in r.getMessage() for r in caplog.records if hasattr(r, "step_report"))
+    prof = replace(synthetic_profile(gpu=False), fingerprint=fingerprint(None))
+    save_profile(prof, str(tmp_path / "offload" / "machine_profile.json"))
+    reports = run()
+    assert reports and all(r["predicted_step_s"] > 0 for r in reports)
+    assert reports[-1]["step_time_s"] > 0
+    line = [r.getMessage() for r in caplog.records if hasattr(r, "step_report")][-1]
+    assert "(predicted " in line and "bound by CPU" in line, line

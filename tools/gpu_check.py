@@ -278,9 +278,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {','.join(PHASES)}")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run (default 8 minutes)")
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=S", help="one phase's timeout")
-    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@off,device/cpu+auto,device/device",
-                   help="practicality's offload contenders: param_tier/optimizer_tier[+auto|+N][@on|@off] (the "
-                        "update split: the planner's or N units; the optimizer worker)")
+    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@on,device/cpu@off,device/cpu@on*4,"
+                                      "device/cpu+auto,device/device",
+                   help="practicality's offload contenders: param_tier/optimizer_tier[+auto|+N][@on|@off][*G] "
+                        "(tools/gpu_bench.py --help)")
     p.add_argument("--mult", type=float, default=2.0, help="scale: training state / GPU memory")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe tiers (default: under $TMPDIR)")
     p.add_argument("--out", default=None, help="where gpu_check.json/.log go (default: $OUT, or a temp dir)")

@@ -1,7 +1,9 @@
 """Measuring a machine profile (offload/plan/profile.py): `python -m offload.plan --measure`.
 
-Each figure is the median of a few timed repetitions after one untimed warm-up, on buffers
-large enough to leave the caches (the full sizes; `quick` uses small ones, for tests and a
+Each figure is the median of a few timed samples after one untimed warm-up, each sample
+repeating the operation for at least `SAMPLE_S` ([Note: samples long enough]: on a machine
+shared with other work a single short call measures a burst, not the rate a step gets), on
+buffers large enough to leave the caches (the full sizes; `quick` uses small ones, for tests and a
 first look: its rates are rougher). The whole profile takes under a minute on a laptop. The
 optimizer and the disk are measured with the engine's own code: the native Adam kernels
 (`adam_step_flat`, `adam8bit_step_flat`) at each thread count, and `offload.storage.io`'s
@@ -30,15 +32,29 @@ MATMUL_SIZES = (256, 512, 1024, 2048)
 """d_model values the CPU matmul rate is measured at (the model interpolates between)."""
 
 
-def _median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+SAMPLE_S = 0.25
+"""[Note: samples long enough] Each timed sample repeats the operation for at least this
+long (`quick`: a fifth): a rate is then the machine's over a scheduler's many time slices,
+as a training step sees it, not one lucky burst on a shared machine (measured here with
+other work running: single calls of a 10 ms matmul varied 9x between runs)."""
+
+
+def _median_time(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None,
+                 min_s: float = SAMPLE_S) -> float:
+    """Seconds per call of `fn`: the median of `reps` samples, each as many calls as fill
+    `min_s`, after one untimed warm-up call."""
+    t0 = time.perf_counter()
     fn()  # warm-up: page faults, first-touch, kernel selection
     sync()
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(1, int(min_s / once))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -56,10 +72,10 @@ def _host_bandwidth(quick: bool) -> Figure:
     n = (32 if quick else 256) << 20
     src = torch.ones(n // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), 3 if quick else 5)
+    t = _median_time(lambda: dst.copy_(src), 3 if quick else 5, min_s=SAMPLE_S / 5 if quick else SAMPLE_S)
     return Figure(value=2 * n / t / 1e9, unit="GB/s",
-                  method=f"torch copy_ of {n >> 20} MiB fp32, bytes read + written / median time of "
-                         f"{3 if quick else 5}")
+                  method=f"torch copy_ of {n >> 20} MiB fp32, bytes read + written / median of "
+                         f"{3 if quick else 5} samples of >= {SAMPLE_S / 5 if quick else SAMPLE_S:g} s")
 
 
 def _optimizer_rates(quick: bool, cores: int) -> tuple[OptimizerRate, ...]:
@@ -89,11 +105,11 @@ def _optimizer_rates(quick: bool, cores: int) -> tuple[OptimizerRate, ...]:
                     adam_step_flat(master, grad, t[0], t[1], step=step[0], lr=1e-4, beta1=0.9, beta2=0.999,
                                    eps=1e-8, weight_decay=0.01, threads=threads)
 
-            t = _median_time(run, reps)
+            t = _median_time(run, reps, min_s=SAMPLE_S / 5 if quick else SAMPLE_S)
             out.append(OptimizerRate(moments=moments, threads=threads, rate=Figure(
                 value=n / t, unit="elements/s",
                 method=f"native Adam step ({moments} moments, fp32 master and gradient) on {n >> 20}M "
-                       f"elements, {threads} thread(s), median of {reps}")))
+                       f"elements, {threads} thread(s), median of {reps} samples of >= {SAMPLE_S / 5 if quick else SAMPLE_S:g} s")))
     return tuple(out)
 
 
@@ -110,7 +126,7 @@ def _matmul_rates(device: torch.device, quick: bool, dtypes: tuple[str, ...]) ->
             a = torch.randn(tokens, d, device=device).to(torch_dt)
             b = torch.randn(d, 4 * d, device=device).to(torch_dt)
             reps = 2 if quick else 3
-            t = _median_time(lambda: torch.mm(a, b), reps, sync)
+            t = _median_time(lambda: torch.mm(a, b), reps, sync, SAMPLE_S / 5 if quick else SAMPLE_S)
             out.append(MatmulRate(device=device.type, dtype=dt, d_model=d, rate=Figure(
                 value=2 * tokens * d * 4 * d / t, unit="FLOP/s",
                 method=f"torch.mm ({tokens} x {d}) @ ({d} x {4 * d}) in {dt}, {torch.get_num_threads()} "

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
+from offload.device_runtime import runtime
 from offload.config.sections import Config
 from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind
@@ -131,7 +132,7 @@ def build(
         units=units, states=states, param_tier=tiers.param_tier,
         optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
         param_groups=opt_groups, decoupled_weight_decay=kind.decoupled, kind=kind,
-        transient_grads=transient_grad_shards(config, device.type == "cuda"),
+        transient_grads=transient_grad_shards(config, runtime().has_streams(device)),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
         placement=tiers.placement,
     )
@@ -369,7 +370,7 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     states: list[UnitOptimizerState] = []
     records: list[list[ParamRecord]] = []
     cpu = torch.device("cpu")
-    transient = transient_grad_shards(config, device.type == "cuda")
+    transient = transient_grad_shards(config, runtime().has_streams(device))
     # [Note: reused full buffers] in offload/units/full_buffers.py: kept up to what can be
     # live at once anyway (two units, what prefetch reads ahead and what it keeps gathered)
     largest = max((lay.padded_numel for _, lay, _ in planned), default=0) * dtype.itemsize

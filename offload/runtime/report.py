@@ -139,6 +139,11 @@ class StepReporter:
         """The step report's collective bytes per step, within and across nodes."""
         self.wear: Optional[WearEstimate] = None
         """`log_built`'s estimate of the swap bytes written per step (None: no NVMe tier)."""
+        self.predicted_step_s: Optional[float] = None
+        """The planner's predicted step (seconds), set by the engine when it has one
+        (offload/plan/engine_prediction.py); the report shows it beside the measured step."""
+        self.predicted_bound: Optional[str] = None
+        """What the prediction says bounds the step ('CPU (compute and optimizer) 98% busy')."""
 
     # -- when -----------------------------------------------------------------------------
 
@@ -242,6 +247,7 @@ class StepReporter:
             "tokens_per_s": (tokens * s.pg.world.world_size / step_s) if tokens and step_s else None,
             "stall_fraction": means.get("stall_fraction", 0.0),
             "memory": memory,
+            "predicted_step_s": self.predicted_step_s, "predicted_bound": self.predicted_bound,
         }
         for key in ("fetch_wait_s", "collective_s", "optimizer_s", "optimizer_io_s",
                     "optimizer_in_backward_s", "optimizer_in_backward_units"):
@@ -262,6 +268,9 @@ class StepReporter:
         parts.append(f"loss scale {r['loss_scale']:g}")
         if r["step_time_s"] is not None:
             parts.append(f"step {r['step_time_s']:.3f} s")
+            if r.get("predicted_step_s") is not None:
+                parts[-1] += (f" (predicted {r['predicted_step_s']:.3f} s, bound by "
+                              f"{r['predicted_bound']})")
         if r["tokens_per_s"] is not None:
             parts.append(f"{r['tokens_per_s']:,.0f} tokens/s")
         parts.append(f"stall {100 * r['stall_fraction']:.1f}%")

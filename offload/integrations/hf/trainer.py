@@ -48,6 +48,7 @@ piece is correct (docs/hf.md has the user's side):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -158,8 +159,13 @@ class OffloadTrainerMixin(_TrainerBase):
     _step_lr: Optional[float] = None
     """The learning rate of the last applied update (None before the first)."""
 
-    def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any,
-                 offload_config: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *trainer_args: Any, offload_config: Any = None, **kwargs: Any) -> None:
+        # [Note: arguments by keyword] Trainer subclasses order their arguments differently
+        # (TRL's DPOTrainer(model, ref_model, args, ...), GRPOTrainer(model, reward_funcs,
+        # args, ...)): the positional ones are named by the trainer's own signature, and
+        # everything goes on by keyword, so `args` is found (and replaced) wherever it sits.
+        kwargs = _by_keyword(super().__init__, trainer_args, kwargs)
+        args = kwargs.get("args")
         if args is not None and getattr(args, "deepspeed", None):
             if offload_config is not None:
                 raise ValueError(
@@ -179,8 +185,15 @@ class OffloadTrainerMixin(_TrainerBase):
                              "python -m offload.plan for what fits")
         self.offload_config = offload_config
         self.engine: Optional[offload.Engine] = None
+        self.ref_engine: Optional[offload.Engine] = None  # [Note: the reference model]
         args = _distributed_on_cpu(args)
-        super().__init__(model, args, *trainer_args, **kwargs)
+        if isinstance(kwargs.get("ref_model"), torch.nn.Module):
+            # Accelerate's prepare leaves it where it is: its engine places it (a whole-model
+            # move to the GPU first would need the whole reference there; [Note: the reference model])
+            kwargs["ref_model"]._is_accelerate_prepared = True
+        if "args" in kwargs or args is not None:
+            kwargs["args"] = args
+        super().__init__(**kwargs)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched != self.args.world_size:
             raise ValueError(
@@ -254,10 +267,30 @@ class OffloadTrainerMixin(_TrainerBase):
         else:
             groups = adamw_groups(model, self.args, self.get_decay_parameter_names(model))
         self.engine = offload.initialize(model, config, optimizer=groups)
+        self._reference_under_engine(config)
         model._is_accelerate_prepared = True  # prepare() returns it as it is
         # The Trainer's optimizer slot holds a stand-in, deliberately not a torch Optimizer
         # (Accelerate passes it through): see _EngineOptimizer.
         self.optimizer = _EngineOptimizer(self.engine)  # type: ignore[assignment]
+
+    def _reference_under_engine(self, config: offload.Config) -> None:
+        """[Note: the reference model] TRL's DPOTrainer (GRPOTrainer with beta > 0 too) keeps
+        a frozen reference model in `ref_model`, as large as the policy; under DeepSpeed
+        ZeRO-3 TRL wraps it in an inference engine of its own (`trl.models.prepare_deepspeed`).
+        Here it goes under a second offload engine with the policy's config: its weights are
+        sharded and paged as the policy's are, and it is frozen (`requires_grad` off: no
+        gradients, no optimizer state). The trainer keeps calling the module itself; the
+        engine's hooks gather each unit for the forward. `trainer.ref_engine` is the engine."""
+        ref = getattr(self, "ref_model", None)
+        if not isinstance(ref, torch.nn.Module):
+            return  # no reference model (SFT, a PEFT policy's adapter-off reference, beta=0)
+        if getattr(self.args, "sync_ref_model", False):
+            raise NotImplementedError(
+                "sync_ref_model=True under the offload engine: the reference's weights are in its "
+                "engine's shards, which TRL's SyncRefModelCallback cannot mix into; set "
+                "sync_ref_model=False")
+        ref.requires_grad_(False)
+        self.ref_engine = offload.initialize(ref, config)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         engine = self._engine_or_raise("create_scheduler")
@@ -343,6 +376,29 @@ class OffloadTrainerMixin(_TrainerBase):
 class OffloadTrainer(OffloadTrainerMixin, Trainer):
     """`transformers.Trainer` with the offload engine underneath: a Trainer script switches
     by changing the class name and passing `offload_config=` (OffloadTrainerMixin)."""
+
+
+def _by_keyword(init: Any, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`positional` named by `init`'s signature and merged into `kwargs` ([Note: arguments
+    by keyword]); too many, or one given both ways, is the TypeError Python would raise."""
+    if not positional:
+        return dict(kwargs)
+    names = []
+    for p in inspect.signature(init).parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            raise TypeError(f"{init.__qualname__} takes *args: pass its arguments to the offload "
+                            "mixin by keyword")
+    if len(positional) > len(names):
+        raise TypeError(f"{init.__qualname__} takes {len(names)} positional arguments "
+                        f"({', '.join(names)}), {len(positional)} were given")
+    out = dict(zip(names, positional))
+    both = sorted(set(out) & set(kwargs))
+    if both:
+        raise TypeError(f"{init.__qualname__} got multiple values for {', '.join(both)}")
+    out.update(kwargs)
+    return out
 
 
 def _is_peft(model: Any) -> bool:
