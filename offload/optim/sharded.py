@@ -33,36 +33,13 @@ from offload.devices import StreamPurpose, side_stream
 from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind, UpdateFn
 from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
-from offload.sizes import ALIGNMENT, align_up
+from offload.sizes import align_up
+from offload.storage.host_state import HOST_STATE_ALIGN_MIN_BYTES, host_state_bytes, host_state_zeros  # noqa: F401
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.state_store import OptimizerStates
 from offload.storage.tiers import Tier, wait
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, UpdateRun, update_runs
-
-HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
-"""Host optimizer-state tensors (master, moments) this large start on a page boundary
-(`host_state_zeros`); smaller ones come from the CPU allocator as they are."""
-
-
-def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D host tensor for a unit's master or moments. Large ones are page-aligned
-    (`offload.storage.io.aligned_empty`, on transparent huge pages from 4 MiB), so a checkpoint's
-    O_DIRECT reads land in them and its writes leave from them with no staging copy (the
-    CPU allocator aligns to 64 bytes only). Costs one page more than the tensor
-    (`host_state_bytes`)."""
-    from offload.storage.io import aligned_empty
-
-    nbytes = numel * dtype.itemsize
-    if nbytes < HOST_STATE_ALIGN_MIN_BYTES:
-        return torch.zeros(numel, dtype=dtype)
-    return aligned_empty(nbytes, dtype, pin=False).zero_()
-
-
-def host_state_bytes(nbytes: int) -> int:
-    """Host bytes `host_state_zeros` holds for a tensor of `nbytes` (for the planner)."""
-    return nbytes if nbytes < HOST_STATE_ALIGN_MIN_BYTES else nbytes + ALIGNMENT
-
 
 @dataclass
 class UnitOptimizerState:
@@ -89,8 +66,7 @@ class UnitOptimizerState:
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
     on_device: bool = False
-    """Master, moments and gradient shard live on the compute device and the update runs
-    there ([Note: the update split] in offload/storage/device_states.py)."""
+    """Master, moments, gradient shard on the compute device: [Note: the update split]."""
 
     @property
     def grad(self) -> torch.Tensor:
@@ -202,11 +178,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         written back on this rank: nothing in it changes (before, its state was rewritten each
         step, bytes on the drive for nothing)."""
         self._work_set = frozenset(self._work)
-        self._device_units = frozenset(st.unit.index for st in self.unit_states if st.on_device)
-        """Units updated on the compute device by torch's kernels (`OptimizerKind.device_update`)."""
-        self._device_fn: Optional[UpdateFn] = (
+        self._device_fn: Optional[UpdateFn] = (  # the units on the compute device: torch's kernels
             self.record.device_update(decoupled=self.decoupled_weight_decay, moments=moments)
-            if self._device_units else None)
+            if any(st.on_device for st in self.unit_states) else None)
         self._fill_initial_state()
 
     @property
@@ -286,8 +260,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         active = _active_slots(st)
         new_steps = _counted_steps(st)
         runs = update_runs(st.layout, self.rank, active, new_steps)
-        if st.unit.index in self._device_units:
-            assert self._device_fn is not None, "built with the device units"
+        if st.on_device and self._device_fn is not None:
             adam = self._device_fn
         lowp = self._lowp_target(st, t)
         if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
