@@ -34,7 +34,7 @@ from offload.optim.kinds import MOMENT_FORMATS, OptimizerArg, state_specs
 from offload.optim.sharded import transient_grad_shards
 from offload.runtime.device_split import device_units
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
-from offload.plan.profile import MachineProfile
+from offload.plan.profile import MachineProfile, this_machine_cached
 from offload.plan.shapes import ModelShape, shape_from_model
 from offload.plan.step_time import StepPrediction, StepSettings, predict_step
 from offload.plan.update_split import (NOMINAL_CPU_ELEMS_PER_S, NOMINAL_DEVICE_ELEMS_PER_S, DeviceSplit,
@@ -567,7 +567,13 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: OptimizerArg,
         machine = make_machine(gpus=machine.gpus_per_node, gpu_mem=gpu or None, cpu_mem=cpu,
                                nvme_free=None if nvme < 0 else nvme, world_size=pg.world_size,
                                ranks_per_node=machine.local_ranks)
-    result = plan(model, machine=machine, config=config, optimizer=optimizer)
+    # With the tokens per step and this machine's cached profile, rank by predicted step
+    # (every rank reads the same file on one node; ranks of other nodes may differ: they
+    # then agree only on the memory, so time ranks only on one node).
+    profile = this_machine_cached(config.offload.nvme_path) if machine.nodes == 1 else None
+    tokens = config.logging.tokens_per_step
+    result = plan(model, machine=machine, config=config, optimizer=optimizer, profile=profile,
+                  tokens=tokens if profile is not None else None)
     if result.recommended is None:
         raise MemoryError(f"offload.placement='auto': {result.reason}\n{result}")
     best = result.recommended

@@ -41,7 +41,7 @@ from offload.plan.shapes import ModelShape
 __all__ = ["StepSettings", "StepPrediction", "predict_step", "UpdateTimes", "update_times",
            "UNIT_OVERHEAD_S", "STATE_BYTES"]
 
-UNIT_OVERHEAD_S = 1.5e-3
+UNIT_OVERHEAD_S = 0.5e-3
 """Per unit and pass, the engine's own time beside the kernels (hooks, gathers' bookkeeping,
 Python), measured on this project's CPU machine: [Note: calibration] in docs/plan.md."""
 
@@ -177,11 +177,20 @@ def predict_step(shape: ModelShape, profile: MachineProfile, s: StepSettings) ->
     copy_up, copy_down = ("h2d", "d2h") if s.on_gpu else ("cpu", "cpu")
     opt_r = ("optimizer" if s.worker else "optimizer_autograd") if s.on_gpu else "cpu"
 
+    launch = 0.0 if s.on_gpu else profile.parallel_op.value  # GPU launches overlap its work
+
     def fwd_s(u: Any) -> float:
         rate = profile.matmul_rate(device, compute_dtype, u.d_model)
         # A GPU's memory bandwidth is not measured: its non-matmul traffic is left out there.
         traffic = 0.0 if s.on_gpu else u.fwd_traffic_elems * p_bytes / host_bw
-        return u.fwd_flops / rate + traffic + UNIT_OVERHEAD_S
+        return u.fwd_flops / rate + traffic + (u.matmuls + u.ops_fwd) * launch + UNIT_OVERHEAD_S
+
+    def bwd_s(u: Any) -> float:
+        """2 x the forward's work (gradients of the input and of the weights) with its own
+        launches ([Note: the times of one unit])."""
+        rate = profile.matmul_rate(device, compute_dtype, u.d_model)
+        traffic = 0.0 if s.on_gpu else 2 * u.fwd_traffic_elems * p_bytes / host_bw
+        return 2 * u.fwd_flops / rate + traffic + (2 * u.matmuls + u.ops_bwd) * launch + 2 * UNIT_OVERHEAD_S
 
     units = shape.units
     n = len(units)
@@ -262,7 +271,7 @@ def predict_step(shape: ModelShape, profile: MachineProfile, s: StepSettings) ->
                     gate_pos = bwd_order.index(j) - look - 1
                     bwd_fetched[j] = fetch(j, (bwd_ids[gate_pos],) if 0 <= gate_pos < len(bwd_ids) else (last,))
         u = units[i]
-        seconds = 2 * fwd_s(u) + (fwd_s(u) if shape.recompute and i > 0 else 0.0)
+        seconds = bwd_s(u) + (fwd_s(u) if shape.recompute and i > 0 else 0.0)
         deps = bwd_fetched.get(i, ()) + (last,)
         if s.on_gpu and s.updates_in_backward and not s.worker and update_ids:
             deps += (update_ids[-1],)  # autograd's thread ran the last update before this backward
