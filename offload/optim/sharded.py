@@ -33,36 +33,13 @@ from offload.devices import StreamPurpose, side_stream
 from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind, UpdateFn
 from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
-from offload.sizes import ALIGNMENT, align_up
+from offload.sizes import align_up
+from offload.storage.host_state import HOST_STATE_ALIGN_MIN_BYTES, host_state_bytes, host_state_zeros  # noqa: F401
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.state_store import OptimizerStates
 from offload.storage.tiers import Tier, wait
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, UpdateRun, update_runs
-
-HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
-"""Host optimizer-state tensors (master, moments) this large start on a page boundary
-(`host_state_zeros`); smaller ones come from the CPU allocator as they are."""
-
-
-def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D host tensor for a unit's master or moments. Large ones are page-aligned
-    (`offload.storage.io.aligned_empty`, on transparent huge pages from 4 MiB), so a checkpoint's
-    O_DIRECT reads land in them and its writes leave from them with no staging copy (the
-    CPU allocator aligns to 64 bytes only). Costs one page more than the tensor
-    (`host_state_bytes`)."""
-    from offload.storage.io import aligned_empty
-
-    nbytes = numel * dtype.itemsize
-    if nbytes < HOST_STATE_ALIGN_MIN_BYTES:
-        return torch.zeros(numel, dtype=dtype)
-    return aligned_empty(nbytes, dtype, pin=False).zero_()
-
-
-def host_state_bytes(nbytes: int) -> int:
-    """Host bytes `host_state_zeros` holds for a tensor of `nbytes` (for the planner)."""
-    return nbytes if nbytes < HOST_STATE_ALIGN_MIN_BYTES else nbytes + ALIGNMENT
-
 
 @dataclass
 class UnitOptimizerState:
@@ -88,6 +65,8 @@ class UnitOptimizerState:
     slot_steps: list[int]
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
+    on_device: bool = False
+    """Master, moments, gradient shard on the compute device: [Note: the update split]."""
 
     @property
     def grad(self) -> torch.Tensor:
@@ -199,6 +178,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         written back on this rank: nothing in it changes (before, its state was rewritten each
         step, bytes on the drive for nothing)."""
         self._work_set = frozenset(self._work)
+        self._device_fn: Optional[UpdateFn] = (  # the units on the compute device: torch's kernels
+            self.record.device_update(decoupled=self.decoupled_weight_decay, moments=moments)
+            if any(st.on_device for st in self.unit_states) else None)
         self._fill_initial_state()
 
     @property
@@ -278,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         active = _active_slots(st)
         new_steps = _counted_steps(st)
         runs = update_runs(st.layout, self.rank, active, new_steps)
+        if st.on_device and self._device_fn is not None:
+            adam = self._device_fn
         lowp = self._lowp_target(st, t)
         if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
             # A staging buffer is stored whole: what the runs do not write (frozen or
@@ -319,8 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unit.dtype == torch.float32:
             return None
         shard = self.param_tier.view(unit.key)
-        if shard is not None and not _uploads_to(unit, shard):
-            return shard
+        if shard is not None and (st.on_device or not _uploads_to(unit, shard)):
+            return shard  # host memory, or a device unit's shard beside its state: in place
         n = unit.master_numel
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
@@ -334,8 +318,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if buf is None or buf.numel() < n or buf.dtype != unit.dtype:
             # As large as the largest shard at once, so both buffers hold the same bytes
             # whatever the update order (the planner counts 2 x the largest shard).
-            size = max(n, max((st.unit.master_numel for st in self.unit_states if st.layout.has_optimized),
-                              default=0))
+            size = max(n, max((st.unit.master_numel for st in self.unit_states
+                               if st.layout.has_optimized and not st.on_device), default=0))
             buf = self._staging[b] = (pinned_empty(size * unit.dtype.itemsize, unit.dtype)
                                       if torch.cuda.is_available() else torch.empty(size, dtype=unit.dtype))
         self._staging_in_use = b
@@ -353,7 +337,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._store(t, unit, t.master)
             return
         assert lowp is not None, "a low-precision unit has a target (_lowp_target)"
-        if shard is not None and _uploads_to(unit, shard) and runtime().is_pinned(lowp):
+        if shard is not None and not st.on_device and _uploads_to(unit, shard) and runtime().is_pinned(lowp):
             self._upload(t, unit, lowp, shard.device, st.grad_shard.arrived)
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
             self._store(t, unit, lowp)

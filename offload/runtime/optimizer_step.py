@@ -488,7 +488,7 @@ class StepPolicy:
             if part is None:
                 part = sum_of_squares(st)
             if part is not None:
-                sq += part
+                sq += part.to(sq.device)  # a device unit's sum stays on the device until here
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
 
     def _nonfinite_units(self) -> str:
