@@ -210,7 +210,7 @@ class StepReporter:
             "prefetch %s ahead, keep %s | optimizer %s | %s%s",
             _rank_tag(s), len(s.units), format_count(params), s.pg.world.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
-            c.offload.optimizer_tier, _memory_text(memory_bytes(s)),
+            _state_tier_text(s), _memory_text(memory_bytes(s)),
             format_bytes(c.prefetch.prefetch_bytes), _keep_text(s),
             _optimizer_placement(c, s.dtype), _optimizer_threads(s.optimizer, c.cpu_adam_threads),
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
@@ -354,3 +354,16 @@ def _keep_text(s: ShardedState) -> str:
     used = bounded_by_model(requested, fulls)
     return format_bytes(used) + (f" (bounded by the model's gathered bytes; configured {format_bytes(requested)})"
                                  if used < requested else "")
+
+
+def _state_tier_text(s: ShardedState) -> str:
+    """Where the optimizer state is: its tier, and the units on the compute device, updated
+    there ([Note: the update split] in offload/storage/device_states.py)."""
+    on = [st.unit.name or "<root>" for st in s.states if st.on_device]
+    if not on:
+        return s.config.offload.optimizer_tier
+    if len(on) == len(s.states):
+        return f"the compute device (all {len(on)} units, updated there)"
+    rest = s.config.offload.optimizer_tier
+    shown = ", ".join(on[:3]) + (f", ... {on[-1]}" if len(on) > 3 else "")
+    return f"{rest}, and for {len(on)}/{len(s.states)} units ({shown}) on the compute device, updated there"
