@@ -525,7 +525,7 @@ def test_a_cpu_plan_shows_host_memory_for_the_device_tier_and_no_device_column()
         node = e.per_node.host_total + e.per_node.device + e.working_device_bytes * result.machine.local_ranks
         assert rows[key]["host/node"] == format_size(node), key
         assert rows[key]["host/rank"] == format_size(e.per_rank.host + e.per_rank.device), key
-    assert "compute device is host memory" in str(result)
+    assert "the compute device is host memory" in str(result)
     # negative control: a GPU machine keeps its GPU column, and host/node is host memory only
     gpu = plan(1e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB"), dtype="bf16")
     head, rows = _table(str(gpu))
