@@ -249,9 +249,12 @@ class Engine:
         if not boundary:
             return
         try:
-            # The CPU Adam rewrites host shards that asynchronous host-to-device copies of
-            # this step's gathers read from: those copies must have landed first.
-            self.sharded_state.sync_device()
+            # The CPU Adam at step() rewrites host shards that asynchronous host-to-device
+            # copies of this step's gathers read from: those copies must have landed first.
+            # Updates run during backward waited for their unit's own copies instead
+            # ([Note: streams and threads] in offload/devices.py).
+            if self.policy.updates_at_step():
+                self.sharded_state.sync_device()
             self.gather.before_optimizer_step()
             nonfinite = self.policy.apply()
             self.gather.prefetch_next_iteration()

@@ -336,6 +336,62 @@ def test_blocks_with_a_zero_or_nonfinite_moment_step_as_their_parts(isa):
         assert_bitwise_equal(a, b, f"{isa}: {name}")
 
 
+def _special_blocks(seed: int):
+    """master, 8-bit moments and a gradient whose blocks are the quantiser's special cases:
+    zero moments and +-0 gradients, a NaN, an inf, all-equal values (every lane on the code
+    of 1), subnormal gradients (moments under the smallest normal: scale 0), -0.0 gradients
+    on non-zero moments, ordinary values, and a short tail."""
+    n = 8 * BLOCK_SIZE + 77
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    mc, ms = quantize_blockwise(torch.randn(n, generator=gen) * 1e-2, True)
+    vc, vs = quantize_blockwise(torch.randn(n, generator=gen).square() * 1e-4, False)
+    g = torch.randn(n, generator=gen) * 0.1
+    b = [slice(k * BLOCK_SIZE, (k + 1) * BLOCK_SIZE) for k in range(8)]
+    mc[b[0]], vc[b[0]], ms[0], vs[0] = 127, 0, 0.0, 0.0  # zero moments ...
+    g[b[0]] = torch.where(torch.rand(BLOCK_SIZE, generator=gen) < 0.5, 0.0, -0.0)  # ... +-0 grads
+    g[b[1].start + 7] = math.nan
+    g[b[2].start + 200] = -math.inf
+    mc[b[3]], vc[b[3]], g[b[3]] = 255, 255, 0.25  # all equal
+    mc[b[4]], vc[b[4]], ms[4], vs[4] = 127, 0, 0.0, 0.0
+    g[b[4]] = torch.randn(BLOCK_SIZE, generator=gen) * 1e-40  # subnormal
+    g[b[5]] = -0.0
+    return master, Moments8bit(mc, ms, vc, vs), g
+
+
+@pytest.mark.parametrize("isa,vbmi", [kernel_param(*k) for k in KERNELS])
+def test_special_blocks_equal_the_scalar_reference_on_every_kernel(isa, vbmi, avx512_build):
+    """Every fast kernel against the scalar reference (the threshold search) on the special
+    blocks, three steps, 1 and 2 threads; and the standalone quantiser on the moments those
+    steps leave, with -0.0, subnormals and values on every code added."""
+    avx512_build(vbmi)
+    ref_master, ref_moments, g = _special_blocks(5)
+    for t in (1, 2, 3):
+        adam8bit_step_flat(ref_master, g, *ref_moments, step=t, weight_decay=0.1, isa="scalar",
+                           threads=1, **HYPER)
+    assert math.isnan(ref_moments.exp_avg_scales[1].item()), "the NaN block stays visible"
+    assert ref_moments.exp_avg_scales[4].item() == 0.0, "subnormal moments: scale 0"
+    assert bool((ref_moments.exp_avg_codes[3 * 256:4 * 256] == 255).all()), "all equal: code of 1"
+    for threads in (1, 2):
+        master, moments, _ = _special_blocks(5)
+        for t in (1, 2, 3):
+            adam8bit_step_flat(master, g, *moments, step=t, weight_decay=0.1, isa=isa,
+                               threads=threads, **HYPER)
+        for name, a, b in zip(("master", "m codes", "m scales", "v codes", "v scales"),
+                              [master, *moments], [ref_master, *ref_moments]):
+            assert_bitwise_equal(a, b, f"{isa} (vbmi={vbmi}) threads={threads}: {name}")
+    m = dequantize_blockwise(ref_moments.exp_avg_codes, ref_moments.exp_avg_scales, True)
+    extra = torch.cat([torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.0, -1.0]), dynamic_map(True)])
+    x = torch.cat([m, extra, -extra, m.flip(0)])
+    for signed in (True, False):
+        xs = x if signed else x.abs()
+        want = quantize_blockwise(xs, signed, isa="scalar")
+        for threads in (1, 2):
+            got = quantize_blockwise(xs, signed, isa=isa, threads=threads)
+            assert_bitwise_equal(got[0], want[0], f"{isa} (vbmi={vbmi}) quantize signed={signed}")
+            assert_bitwise_equal(got[1], want[1], f"{isa} (vbmi={vbmi}) scales signed={signed}")
+
+
 def test_first_step_from_zero_moments_equals_fp32_adam():
     n = 1000
     gen = torch.Generator().manual_seed(2)

@@ -62,6 +62,11 @@ void build_fast_quant(CodeMap& map) {
     const float t = map.thresholds[(is_signed ? 127 : 0) + first[seg] - 1];
     return std::fabs(t);  // positive side: exactly the threshold
   };
+  // The zero code's segment: offset 0, on a line that reaches u = 1 + kFastDelta at the first
+  // threshold, so that a |y| exactly there (which stays in this segment) is uncertain like
+  // every other boundary ([Note: arithmetic quantiser]); below it u < 1 + kFastDelta.
+  f.a[0] = (0.5f + kFastDelta) / boundary(1);
+  f.c[0] = -0.5f;
   for (int e = 0; e < kFastBinades; ++e) {
     const float lo = e == 0 ? 0.0f : std::ldexp(1.0f, e + kFastFirstExponent - 127);
     const float hi = std::ldexp(1.0f, e + 1 + kFastFirstExponent - 127);
@@ -72,7 +77,10 @@ void build_fast_quant(CodeMap& map) {
       if (b <= lo) {
         seg = k;
       } else if (b < hi) {
-        t = b;
+        // Segments start past trans. The code of 1's starts at its threshold itself: the
+        // decade below it is not uncertain there, and the sign does not matter (no code
+        // below -1 exists: a negative |y| there has code 0 from either segment).
+        t = k == 8 ? std::nextafter(b, 0.0f) : b;
         ++inside;
       }
     }
@@ -87,7 +95,8 @@ void build_fast_quant(CodeMap& map) {
   const auto fast = [&](float y) { return code_fast(map, y, &unc); };
   for (int e = 0; e < kFastBinades; ++e) {
     const float binade_start = e == 0 ? 0.0f : std::ldexp(1.0f, e + kFastFirstExponent - 127);
-    for (const float p : {binade_start, f.trans[e]}) {
+    // The segment changes between trans and the next float up ([Note: arithmetic quantiser]).
+    for (const float p : {binade_start, f.trans[e], std::nextafter(f.trans[e], kInf)}) {
       if (!(p > 0.0f && p <= 2.0f)) continue;
       const float below = std::nextafter(p, 0.0f);
       if (fast(p) < fast(below) || fast(-p) > fast(-below)) {

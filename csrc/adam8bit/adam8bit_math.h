@@ -163,6 +163,14 @@ inline float quantize_block(const CodeMap& map, const float* buf, uint8_t* codes
   return scale;
 }
 
+// Whether lanes L store both moments' codes at once (they declare kQuantizePair and define
+// L::quantize_pair(mm, mcodes, ym, vm, vcodes, yv, i): the codes of quantize<true> and
+// quantize<false>).
+template <class L, class = void>
+struct HasQuantizePair : std::false_type {};
+template <class L>
+struct HasQuantizePair<L, std::void_t<decltype(L::kQuantizePair)>> : std::true_type {};
+
 // Pass 2 for both moments of a block: exactly quantize_block(mm, ...) and then
 // quantize_block(vm, ...), with the two maps' vectors interleaved in one loop (two
 // independent chains per iteration: the AVX512-VBMI step 1.10x faster in cache, unchanged
@@ -187,8 +195,14 @@ inline void quantize_pair(const CodeMap& mm, const float* mbuf, uint8_t* mcodes,
   const typename L::V iv = L::set1(inv_v);
   size_t j = 0;
   for (; j + W <= len; j += W) {
-    L::template quantize<true>(mm, mcodes, j, L::mul(L::template load<DType::kF32>(mbuf, j), im));
-    L::template quantize<false>(vm, vcodes, j, L::mul(L::template load<DType::kF32>(vbuf, j), iv));
+    const typename L::V ym = L::mul(L::template load<DType::kF32>(mbuf, j), im);
+    const typename L::V yv = L::mul(L::template load<DType::kF32>(vbuf, j), iv);
+    if constexpr (HasQuantizePair<L>::value) {
+      L::quantize_pair(mm, mcodes, ym, vm, vcodes, yv, j);  // the same codes, stored together
+    } else {
+      L::template quantize<true>(mm, mcodes, j, ym);
+      L::template quantize<false>(vm, vcodes, j, yv);
+    }
   }
   for (; j < len; ++j) {
     ScalarLanes<>::quantize(mm, mcodes, j, mbuf[j] * inv_m);

@@ -43,16 +43,20 @@ constexpr uint32_t kLutNever = 1u << kLutShift;         // an offset no low bits
 // map is 0, seven decades of codes at the centres of equal steps of [0.1, 1] * 10^(i-6), and 1,
 // so inside decade i the thresholds sit where u = |y| * a_i - c_i crosses an integer, u being
 // the code's offset from the zero code on y's side. |y|'s segment (the zero code, decade 0..6,
-// the code of 1) is that of its binade's start, plus one if |y| is at or past the one segment
-// boundary a binade can hold (FastQuant::trans; boundaries are ten-fold apart, binades two-fold).
+// the code of 1) is that of its binade's start, plus one if |y| is past the one segment
+// boundary a binade can hold (FastQuant::trans, the threshold there; boundaries are ten-fold
+// apart, binades two-fold).
 // Then off = min(trunc(u), top_s), and the code is 127 + off (sign bit clear) or
 // max(127 - off, 0) (set) on the signed map, off or 0 on the unsigned one. The fp32 u is within
 // ~1e-4 of the ideal, so off is exact except near an integer. The tables hold c_i - kFastDelta,
 // so that one truncation serves both purposes: a lane whose u + kFastDelta has a fractional
-// part below 2 kFastDelta (u within kFastDelta of an integer), or whose |y| equals its
-// binade's boundary (a midpoint fp32 holds exactly ties differently on the two signs), is
-// "uncertain", and a vector holding one (~2 % of them in a step) takes the lookup table's
-// answers for those lanes. The builder (adam8bit.cpp) proves the certain lanes exact for every
+// part below 2 kFastDelta (u within kFastDelta of an integer) is "uncertain", and a vector
+// holding one (~2 % of them in a step) takes the lookup table's answers for those lanes. A |y|
+// exactly on a decade's first threshold (where a midpoint that fp32 holds exactly ties
+// differently on the two signs) stays in the lower segment, whose u there is its top offset
+// + 2 within fp32 rounding (the zero code's segment is a line to 1 there): uncertain, so the
+// boundary needs no test of its own; the code of 1's segment starts at its threshold. The
+// builder (adam8bit.cpp) proves the certain lanes exact for every
 // fp32 y in [-2, 2] (a step's |y| is at most 1 + 2^-23): code_fast is monotone in y, so it
 // suffices that it equals code_search at the first and the last certain y of every interval
 // between two thresholds, and that it does not decrease where the segment or binade changes.
@@ -122,11 +126,11 @@ inline uint32_t code_fast(const CodeMap& map, float y, bool* uncertain) {
   int32_t e = static_cast<int32_t>(mag_bits >> 23) - kFastFirstExponent;
   e = e < 0 ? 0 : (e > kFastBinades - 1 ? kFastBinades - 1 : e);
   const float t = f.trans[e];
-  const int32_t seg = f.seg_start[e] + (mag >= t ? 1 : 0);
+  const int32_t seg = f.seg_start[e] + (mag > t ? 1 : 0);
   const float u = std::fma(mag, f.a[seg], -f.c[seg]);  // u + kFastDelta of the Note
   const int32_t trunc = static_cast<int32_t>(u);  // u >= 0.2 > -1: no overflow, no NaN
   const float frac = u - std::trunc(u);           // exact, as vreduceps toward zero
-  *uncertain = mag == t || frac < 2.0f * kFastDelta;
+  *uncertain = frac < 2.0f * kFastDelta;
   const int32_t off = trunc < f.top[seg] ? trunc : f.top[seg];
   const bool negative = (bits >> 31) != 0;
   if (map.is_signed) {

@@ -35,30 +35,31 @@ struct Avx512Lanes : Avx512Arith {
     return _mm512_max_epu32(acc, b);
   }
   static uint32_t reduce_max(I acc) { return _mm512_reduce_max_epu32(acc); }
-  // code_fast ([Note: arithmetic quantiser], code_map.h) on 16 lanes; a vector with an
-  // uncertain lane takes code_lookup's answer for it. Narrowed to 16 bytes. kSigned is
-  // map.is_signed.
+  // code_fast ([Note: arithmetic quantiser], code_map.h) on 16 lanes, as 32-bit codes; a
+  // vector with an uncertain lane takes code_lookup's answer for it. kSigned is map.is_signed.
+  // The binade index needs no clamp from above: a quantised |y| is at most 1 + 2^-23 (x times
+  // the rounded 1 / absmax), so the index is at most 23 < kFastBinades (the permutes read its
+  // low 5 bits).
   template <bool kSigned>
-  static void quantize(const CodeMap& map, uint8_t* codes, size_t i, V y) {
+  static __m512i codes(const CodeMap& map, V y) {
     const FastQuant& f = map.fast;
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i mag_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
     const __m512 mag = _mm512_castsi512_ps(mag_bits);
     // max(exponent - kFastFirstExponent, 0): a saturating subtract on the upper 16 bits.
-    __m512i e = _mm512_srli_epi32(
+    const __m512i e = _mm512_srli_epi32(
         _mm512_subs_epu16(mag_bits, _mm512_set1_epi32(kFastFirstExponent << 23)), 23);
-    e = _mm512_min_epu32(e, _mm512_set1_epi32(kFastBinades - 1));
     const __m512i seg_start = _mm512_permutex2var_epi32(
         _mm512_load_si512(f.seg_start), e, _mm512_load_si512(f.seg_start + 16));
     const __m512 t =
         _mm512_permutex2var_ps(_mm512_load_ps(f.trans), e, _mm512_load_ps(f.trans + 16));
-    const __mmask16 past = _mm512_cmp_ps_mask(mag, t, _CMP_GE_OQ);
-    const __mmask16 on = _mm512_cmp_ps_mask(mag, t, _CMP_EQ_OQ);
+    const __mmask16 past = _mm512_cmp_ps_mask(mag, t, _CMP_GT_OQ);
     const __m512i seg = _mm512_mask_add_epi32(seg_start, past, seg_start, _mm512_set1_epi32(1));
     const __m512 u = _mm512_fmsub_ps(mag, _mm512_permutexvar_ps(seg, _mm512_load_ps(f.a)),
                                      _mm512_permutexvar_ps(seg, _mm512_load_ps(f.c)));
     const __m512 frac = _mm512_reduce_ps(u, _MM_FROUND_TO_ZERO);  // u - trunc(u)
-    const __mmask16 near = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(2.0f * kFastDelta), _CMP_LT_OQ);
+    const __mmask16 uncertain =
+        _mm512_cmp_ps_mask(frac, _mm512_set1_ps(2.0f * kFastDelta), _CMP_LT_OQ);
     const __m512i off = _mm512_min_epi32(_mm512_cvttps_epi32(u),
                                          _mm512_permutexvar_epi32(seg, _mm512_load_si512(f.top)));
     const __mmask16 negative = _mm512_movepi32_mask(bits);
@@ -70,9 +71,14 @@ struct Avx512Lanes : Avx512Arith {
     } else {
       q = _mm512_maskz_mov_epi32(_knot_mask16(negative), off);
     }
-    const __mmask16 uncertain = _kor_mask16(on, near);
     if (uncertain != 0) q = _mm512_mask_blend_epi32(uncertain, q, lookup(map, y));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(q));
+    return q;
+  }
+  // codes() narrowed to 16 bytes at codes + i.
+  template <bool kSigned>
+  static void quantize(const CodeMap& map, uint8_t* codes_out, size_t i, V y) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes_out + i),
+                     _mm512_cvtepi32_epi8(codes<kSigned>(map, y)));
   }
   // code_lookup (code_map.h) on 16 lanes: one gather from the table.
   static __m512i lookup(const CodeMap& map, V y) {

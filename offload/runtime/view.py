@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from offload.device_runtime import runtime
+
 if TYPE_CHECKING:  # the seam's types; imported for the checker only (runtime/optim import this module)
     from offload.config.sections import Config
     from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
@@ -116,5 +118,6 @@ class ShardedState:
     def sync_device(self) -> None:
         """Wait for the compute device's queued work (host-to-device copies read host shards
         that a load is about to rewrite)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        rt = runtime()
+        if rt.has_streams(self.device):
+            rt.synchronize(rt.current_stream(self.device))
