@@ -10,7 +10,14 @@ Nothing is left outside `--out`: each benchmark runs with TMPDIR set to a scratc
 of its own under `--out`, removed when it ends (killed or not). Its test files, checkpoints
 and swap files (the benchmarks' default directories are in the temp dir), and what
 libraries put in the temp dir (torch's inductor cache folder), all go there, so the disk
-`--out` is on is the disk the I/O benchmarks measure.
+`--out` is on is the disk the I/O benchmarks measure. DeepSpeed's ops, which the peers
+compile on first use, are built into `--out`/torch_extensions (`TORCH_EXTENSIONS_DIR`, unless
+you set it): once per `--out`, announced before it starts, and never left locked by a killed
+run ([Note: peer builds] in benchmarks/peer_ops.py). Under `--quick` a peer whose op is not
+built yet is skipped with the reason (`--build-peers` builds them first).
+
+`report.md` and `suite.json` are rewritten after each benchmark, so a run that is killed
+keeps what finished.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +37,7 @@ from typing import Any, Optional
 
 from benchmarks._common import busy, load_average
 from benchmarks._report import render
+from benchmarks.peer_ops import SKIP_ENV, stale_locks
 
 # The order users read them in: disk, optimizers (Adam, then Lion and Adagrad), then whole
 # training steps, then checkpoints.
@@ -39,6 +48,13 @@ BENCHMARKS = ["bench_io", "bench_adam", "bench_optimizers", "bench_train", "benc
 # --extra come later on the command line, so they win.)
 QUICK_ARGS = {"bench_io": ["--block-sizes", "256K,1M,4M"]}
 
+# Per-benchmark wall-clock limits (seconds). --quick promises a few minutes in all (each
+# benchmark about a minute on 2 quiet cores, docs/examples.md): 240 s is four times that,
+# room for a busy machine, and a hung benchmark costs the run minutes, not ten.
+TIMEOUT_QUICK_S = 240.0
+TIMEOUT_FULL_S = 3600.0
+PEER_BUILD_TIMEOUT_S = 1800.0
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="offload-bench", description=__doc__.splitlines()[0])
@@ -46,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results", help="directory for report.md, suite.json, the plots and logs")
     p.add_argument("--only", nargs="*", help=f"benchmark names to run (default: all of {BENCHMARKS})")
     p.add_argument("--timeout-s", type=float, default=None,
-                   help="wall-clock limit per benchmark, seconds (default 600 with --quick, 3600 without)")
+                   help=f"wall-clock limit per benchmark, seconds (default {TIMEOUT_QUICK_S:g} with --quick, "
+                        f"{TIMEOUT_FULL_S:g} without)")
+    p.add_argument("--build-peers", action="store_true",
+                   help="first build the DeepSpeed ops the peers use (several minutes, once per --out); "
+                        "without it, --quick skips a peer whose op is not built yet")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="arguments passed to every script (put last; use with --only)")
     args = p.parse_args(argv)
-    timeout_s = args.timeout_s or (600.0 if args.quick else 3600.0)
+    timeout_s = args.timeout_s or (TIMEOUT_QUICK_S if args.quick else TIMEOUT_FULL_S)
 
     here = Path(__file__).resolve().parent
     out = Path(args.out).resolve()
@@ -61,9 +81,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = [n for n in (args.only or BENCHMARKS) if (here / f"{n}.py").is_file()]
 
+    # [Note: peer builds] in benchmarks/peer_ops.py: DeepSpeed's ops build under --out.
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(out / "torch_extensions"))
+    private_builds = env["TORCH_EXTENSIONS_DIR"] == str(out / "torch_extensions")
+    if args.quick and not args.build_peers:
+        env[SKIP_ENV] = "skip"
+    else:
+        env.pop(SKIP_ENV, None)
+
     results: dict[str, Any] = {}
     failures: dict[str, str] = {}
     t_suite = time.perf_counter()
+    command = " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])
+    if args.build_peers:
+        _clear_stale_locks(out, private_builds)
+        cmd = [sys.executable, "-m", "benchmarks.peer_ops"]
+        print(f"== {' '.join(cmd)}: building DeepSpeed's ops into {env['TORCH_EXTENSIONS_DIR']} "
+              f"(first run only, several minutes)", flush=True)
+        log, rc = _run(cmd, here.parent, PEER_BUILD_TIMEOUT_S, "peer_ops", env)
+        (out / "peer_ops.log").write_text(log)
+        if rc is None:
+            print(f"  building the peers' ops timed out after {PEER_BUILD_TIMEOUT_S:g} s; the peers that "
+                  f"need them are skipped with the reason", file=sys.stderr, flush=True)
     for name in names:
         json_path = out / f"{name}.json"
         json_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
@@ -77,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  warning: the machine is busy before {name}: 1-min load average "
                   f"{load_before['load_avg'][0]:g} > 0.5 x {load_before['cores']} cores; "
                   f"its figures may be off (rerun on a quiet machine)", flush=True)
+        _clear_stale_locks(out, private_builds)
         t0 = time.perf_counter()
         scratch = tempfile.mkdtemp(prefix=f".scratch-{name}-", dir=out)
         try:
-            log, rc = _run(cmd, here.parent, timeout_s, name, {**os.environ, "TMPDIR": scratch})
+            log, rc = _run(cmd, here.parent, timeout_s, name, {**env, "TMPDIR": scratch})
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         load = {"before": load_before, "after": load_average(), "busy_before": busy(load_before)}
@@ -91,26 +132,50 @@ def main(argv: list[str] | None = None) -> int:
             tail = (log.strip().splitlines() or ["no output"])[-1]
             failures[name] = (f"timed out after {timeout_s:g} s" if rc is None else f"exit {rc}: {tail}")
             print(f"  {name} failed: {failures[name]} (log: {out / f'{name}.log'})", file=sys.stderr)
-            continue
-        results[name] = json.loads(json_path.read_text())
-        results[name]["_wall_s"] = round(time.perf_counter() - t0, 1)
-        results[name]["_load"] = load
+        else:
+            results[name] = json.loads(json_path.read_text())
+            results[name]["_wall_s"] = round(time.perf_counter() - t0, 1)
+            results[name]["_load"] = load
+        # After each benchmark: a run killed later keeps what finished.
+        pending = names[names.index(name) + 1:]
+        suite, plots = _write(out, command, args.quick, t_suite, results, failures, pending)
+        print(f"  wrote {out / 'report.md'} ({len(results) + len(failures)} of {len(names)} benchmarks)", flush=True)
+    if not names:
+        suite, plots = _write(out, command, args.quick, t_suite, results, failures, [])
+    print(f"wrote {out / 'report.md'}, {out / 'suite.json'} and {len(plots)} plot(s) "
+          f"in {suite['wall_s']:g} s" + (f"; failed: {', '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
 
-    suite = {
-        "command": " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]),
-        "quick": args.quick,
+
+def _write(out: Path, command: str, quick: bool, t_suite: float, results: dict[str, Any],
+           failures: dict[str, str], pending: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """report.md and suite.json as they stand (each replaced whole, never half-written)."""
+    suite: dict[str, Any] = {
+        "command": command,
+        "quick": quick,
         "wall_s": round(time.perf_counter() - t_suite, 1),
         "results": results,
         "failures": failures,
+        "pending": pending,
         "cores": load_average()["cores"],
     }
     report, plots = render(suite, out)
     suite["plots"] = plots
-    (out / "suite.json").write_text(json.dumps(suite, indent=2, default=str))
-    (out / "report.md").write_text(report)
-    print(f"wrote {out / 'report.md'}, {out / 'suite.json'} and {len(plots)} plot(s) "
-          f"in {suite['wall_s']:g} s" + (f"; failed: {', '.join(failures)}" if failures else ""))
-    return 1 if failures else 0
+    for file_name, text in (("suite.json", json.dumps(suite, indent=2, default=str)), ("report.md", report)):
+        tmp = out / f".{file_name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / file_name)
+    return suite, plots
+
+
+def _clear_stale_locks(out: Path, private: bool) -> None:
+    """Removes torch's build locks in the suite's own extensions folder: the suite runs one
+    benchmark at a time, so a lock there was left by a killed one ([Note: peer builds])."""
+    if not private:
+        return
+    for lock in stale_locks(out / "torch_extensions"):
+        print(f"  removing a stale build lock {lock} (left by a killed run)", flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def _run(cmd: list[str], cwd: Path, timeout_s: float, name: str,
@@ -123,13 +188,18 @@ def _run(cmd: list[str], cwd: Path, timeout_s: float, name: str,
     (its total grows as each case announces its rounds); elsewhere (CI, a log file) they are
     echoed as the plain lines they are.
     """
+    # A session of its own, so a timeout kills the benchmark and what it started (a peer's
+    # compiler and ninja), not the benchmark alone.
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, bufsize=1)
+                            stderr=subprocess.STDOUT, bufsize=1, start_new_session=True)
     killed = threading.Event()
 
     def kill() -> None:
         killed.set()
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this Popen started, led by proc
+        except ProcessLookupError:
+            pass
 
     timer = threading.Timer(timeout_s, kill)
     timer.start()

@@ -46,7 +46,7 @@ def render(suite: dict[str, Any], out: Path) -> tuple[str, dict[str, str]]:
         missing = result.get("peers_missing") or {}
         why_na = result.get("na_reasons") or {}
         na = set(na_reasons(result.get("ratio_peers") or {}, missing)) | set(why_na)
-        lines += _table(result.get("rows") or [], na)
+        lines += _tables(result, na)
         lines += _not_run(missing, why_na)
         if plt is None:
             continue
@@ -61,6 +61,8 @@ def render(suite: dict[str, Any], out: Path) -> tuple[str, dict[str, str]]:
             lines += [f"![{caption}]({file_name})", ""]
     for name, why in suite["failures"].items():
         lines += [f"## {name}: failed", "", f"    {why}", ""]
+    if suite.get("pending"):  # written after each benchmark: a killed run says what it did not reach
+        lines += [f"Not run yet: {', '.join(suite['pending'])} (the report is rewritten after each benchmark).", ""]
     return "\n".join(lines), plots
 
 
@@ -97,6 +99,29 @@ def _load_summary(suite: dict[str, Any]) -> list[str]:
 
 def _triple(load: dict[str, Any]) -> str:
     return " / ".join(f"{x:.2f}" for x in load["load_avg"])
+
+
+def _tables(result: Result, na: set[str]) -> list[str]:
+    """A benchmark's rows as the script prints them: its `tables` ({"title", "columns", and
+    "rows_with": a column only some rows fill}) when it names them, each without the columns
+    no row fills, else one table of every column."""
+    rows = result.get("rows") or []
+    specs = result.get("tables")
+    if not specs:
+        return _table(rows, na)
+    out: list[str] = []
+    for spec in specs:
+        picked = [r for r in rows if spec.get("rows_with") is None or r.get(spec["rows_with"]) is not None]
+        if not picked:
+            continue
+        columns = [c for c in spec["columns"] if any(_filled(r.get(c)) for r in picked)]
+        out += [f"**{spec['title']}**", ""]
+        out += _table([{c: r.get(c) for c in columns} for r in picked], na)
+    return out
+
+
+def _filled(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and value != value)
 
 
 def _table(rows: list[dict[str, Any]], na: Optional[set[str]] = None) -> list[str]:

@@ -99,6 +99,12 @@ def _load_deepspeed() -> tuple[Optional[type], str]:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from benchmarks.peer_ops import prepare
+
+        why = prepare("cpu_adam")  # built, announced, or dropped with the reason ([Note: peer builds])
+        if why is not None:
+            return None, why
+
         probe = torch.nn.Parameter(torch.zeros(64))
         probe.grad = torch.zeros(64)
         DeepSpeedCPUAdam([probe], lr=LR).step()  # JIT-builds the op on first use

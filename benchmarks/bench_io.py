@@ -120,7 +120,12 @@ class DeepSpeedPeer:
 
             builder = AsyncIOBuilder()
             if not builder.is_compatible(verbose=False):
-                raise RuntimeError("AsyncIOBuilder is not compatible here (libaio missing?)")
+                raise RuntimeError("AsyncIOBuilder is not compatible here (libaio-dev missing?)")
+            from benchmarks.peer_ops import prepare
+
+            why = prepare("async_io")  # built, announced, or dropped with the reason ([Note: peer builds])
+            if why is not None:
+                raise RuntimeError(why)
             self.module = builder.load(verbose=False)
         except Exception as exc:  # any failure drops the peer, with the reason printed
             self.error = peer_reason(exc)

@@ -73,6 +73,11 @@ def _load_deepspeed(module: str, name: str, **kw) -> tuple[Optional[type], str]:
         import importlib
 
         cls = getattr(importlib.import_module(module), name)
+        from benchmarks.peer_ops import prepare
+
+        why = prepare("cpu_" + module.rsplit(".", 1)[-1])  # cpu_lion, cpu_adagrad ([Note: peer builds])
+        if why is not None:
+            return None, why
         probe = torch.nn.Parameter(torch.zeros(64))
         probe.grad = torch.zeros(64)
         cls([probe], **kw).step()

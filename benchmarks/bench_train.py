@@ -352,6 +352,15 @@ def build_contenders(args, make_model, batch, device,
 
         import deepspeed
 
+        from benchmarks.peer_ops import prepare
+
+        # The ops this contender builds on first use ([Note: peer builds]): its optimizer, the
+        # CPU collectives, and the AIO op for NVMe. Dropped with the reason, or announced.
+        ops = ["cpu_adam"] + (["deepspeed_shm_comm"] if device.type == "cpu" else []) + (["async_io"] if nvme else [])
+        for op in ops:
+            why = prepare(op)
+            if why is not None:
+                raise RuntimeError(why)
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         _ensure_group(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -586,7 +595,7 @@ def main() -> None:
             vs_fsdp2=ratio(med.get("fsdp2", float("nan")), t),
             vs_deepspeed=ratio(med.get("deepspeed", float("nan")), t),
             vs_deepspeed_nvme=ratio(med.get("deepspeed_nvme", float("nan")), t),
-            vs_nvme_nopf=ratio(med.get("engine_nvme_all_nopf", float("nan")), t),
+            vs_engine_nvme_all_nopf=ratio(med.get("engine_nvme_all_nopf", float("nan")), t),
             pct_of_disk_peak=(
                 100.0 * row["disk_GBps"] / (0.5 * (peak["read_GBps"] + peak["write_GBps"]))
                 if row["disk_GBps"] is not None and peak else None
@@ -608,12 +617,12 @@ def main() -> None:
           "I/O wait / (bytes moved at the disk's peak)")
     ratio_peers = {"vs_engine": "engine", "vs_torch": "torch", "vs_fsdp2": "fsdp2",
                    "vs_deepspeed": "deepspeed", "vs_deepspeed_nvme": "deepspeed_nvme",
-                   "vs_nvme_nopf": "engine_nvme_all_nopf"}
+                   "vs_engine_nvme_all_nopf": "engine_nvme_all_nopf"}
     missing = {k: v for k, v in dropped.items() if k not in med}
     for name, why in missing.items():
         print(f"  not run: {name}: {why}")
-    print_table(rows, [c for c in rows[0] if c not in NVME_COLUMNS[2:]] if rows else None,
-                na=na_reasons(ratio_peers, missing))
+    step_columns = [c for c in rows[0] if c not in NVME_COLUMNS[2:]] if rows else []
+    print_table(rows, step_columns or None, na=na_reasons(ratio_peers, missing))
     nvme_rows = [r for r in rows if r["io_source"]]
     if nvme_rows:
         print("\nthe step at the disk's speed: read/write_MiB per step (io_source); floor_ms = bytes read / "
@@ -645,6 +654,11 @@ def main() -> None:
         "torch_precision": torch_precision(args.dtype, device).describe(),
         "peers_missing": missing, "ratio_peers": ratio_peers, "predicted": predicted,
         "plot": {"x": "contender", "y": "step_ms", "title": "training step time"},
+        # The report prints the rows as this script does: the step table, then the step at
+        # the disk's speed for the rows that moved NVMe bytes (benchmarks/_report.py).
+        "tables": [{"title": "Training step", "columns": step_columns},
+                   {"title": "The step at the disk's speed (rows with NVMe traffic)", "columns": NVME_COLUMNS,
+                    "rows_with": "io_source"}],
     })
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,10 +10,13 @@ it. Every device comparison in offload goes through these two.
 from __future__ import annotations
 
 import enum
+import weakref
 
 from typing import Any, Union
 
 import torch
+
+from offload.device_runtime import optional_event, runtime
 
 __all__ = ["canonical", "same_device", "side_stream", "compute_stream_event"]
 
@@ -59,13 +62,34 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 #   stream's reduce; the worker's update waits on its event on the host (`GradShard.ready`), the
 #   step at `engine.step()` likewise. Touches the gradient shard only.
 # - `StreamPurpose.UPLOAD` (optim/sharded.py): an updated device-tier shard from its pinned
-#   staging buffer to the device. Starts after the compute stream's work so far (the old
-#   values may still be read there); the compute stream waits on it at `settle_uploads`
-#   (before the next forward, a checkpoint, a state dict); a staging buffer is reused once
-#   its upload's event has passed.
+#   staging buffer to the device, once nothing reads the old values: in backward, after the
+#   event its gradient came down after (`GradShard.arrived`, queued after the unit's own
+#   backward and reduce), so unit k's upload overlaps the later units' backward; at `step()`
+#   after the compute stream's work so far. The compute stream waits on it at
+#   `settle_uploads` (before the next forward, a checkpoint, a state dict); a staging buffer
+#   (two, one per update in flight) is reused once its upload's event has passed.
 # - `StreamPurpose.ACTIVATIONS` (runtime/activations.py): activation checkpoints to host
 #   memory and back. The copy down starts after the inputs are computed; the copy back
 #   is waited on by the compute stream before the recomputation reads it.
+# Host waits (each one there is; tests/test_event_order.py checks the schedule on the CPU):
+# - none on autograd's thread during backward with the worker: it queues kernels and copies
+#   and hands each unit to the worker (the update on it, and a blocking copy, are the
+#   serial path: `prefetch.optimizer_worker: off`).
+# - the worker, on a unit's gradient event before its update (it reads the host shard), and
+#   on a staging buffer's upload two units back (two buffers bound the copies in flight).
+# - `engine.step()` joins the worker (`StepPolicy.settle`): the norm it reports, the
+#   counters, the LR schedule and the gradients it clears need every update done; the last
+#   update is the root unit's (reduced last, used first by the next forward), so a finer
+#   wait would gain only where the worker lags behind backward. The next forward's check
+#   (`Health.check_ready`) finds it settled and waits for nothing more on the host.
+# - `engine.step()` synchronizes the compute stream only when it runs updates itself (the
+#   first step, the non-finite guard, clipping, accumulation): those rewrite host shards
+#   that queued host-to-device copies may still read. Updates during backward come after
+#   their unit's gradient event, itself after every read of the unit's shard.
+# - the non-finite loss guard reads the loss (`float(loss)`) before backward: whether the
+#   backward runs at all depends on it, and with the guard on the updates run at step()
+#   anyway ([Note: no non-finite value is applied] in runtime/nonfinite.py). With the guard
+#   off (the worker's case) the loss is never read.
 # Threads:
 # - the user's thread: forward, `engine.step()`, the step's updates at `step()`, NVMe
 #   reads and writes of the optimizer state (their completion waited on there).
@@ -95,17 +119,21 @@ class StreamPurpose(enum.Enum):
     """Activation checkpoints, device <-> host."""
 
 
-_SIDE_STREAMS: dict[tuple[StreamPurpose, torch.device], Any] = {}
+_SIDE_STREAMS: "weakref.WeakKeyDictionary[Any, dict[tuple[StreamPurpose, torch.device], Any]]" = \
+    weakref.WeakKeyDictionary()
+"""Per device runtime (offload/device_runtime.py), its side streams."""
 
 
 def side_stream(device: DeviceLike, purpose: StreamPurpose) -> Any:
     """The CUDA stream for `purpose` on `device`: one per purpose and device for the
     process, made on first use, so each kind of side copy is ordered among its own kind and
     overlaps the others ([Note: streams and threads])."""
+    rt = runtime()
+    streams = _SIDE_STREAMS.setdefault(rt, {})
     key = (StreamPurpose(purpose), canonical(device))
-    stream = _SIDE_STREAMS.get(key)
+    stream = streams.get(key)
     if stream is None:
-        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1])
+        stream = streams[key] = rt.new_stream(key[1], key[0].value)
     return stream
 
 
@@ -113,9 +141,4 @@ def compute_stream_event(device: DeviceLike) -> Any:
     """A CUDA event recorded now on `device`'s current stream (it completes once the work
     queued there so far has run), or None for a device without streams (the CPU: work done
     when the call returns)."""
-    device = canonical(device)
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    return optional_event(canonical(device))

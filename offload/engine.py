@@ -166,6 +166,7 @@ class Engine:
             optimizer_states=built.optimizer_states, nvme=self.nvme, scaler=self.policy.scaler,
             counters=self.policy.counters, schedule=self.policy.schedule, placement=built.placement,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
+            units_chosen=built.units_chosen,
         )
         self.unit_hooks = UnitHooks(model, self.units, self.gather, self.backward_tracker, self.policy,
                                     self.grads, self.timeline, self.device, self.dtype, activations)
@@ -248,9 +249,12 @@ class Engine:
         if not boundary:
             return
         try:
-            # The CPU Adam rewrites host shards that asynchronous host-to-device copies of
-            # this step's gathers read from: those copies must have landed first.
-            self.sharded_state.sync_device()
+            # The CPU Adam at step() rewrites host shards that asynchronous host-to-device
+            # copies of this step's gathers read from: those copies must have landed first.
+            # Updates run during backward waited for their unit's own copies instead
+            # ([Note: streams and threads] in offload/devices.py).
+            if self.policy.updates_at_step():
+                self.sharded_state.sync_device()
             self.gather.before_optimizer_step()
             nonfinite = self.policy.apply()
             self.gather.prefetch_next_iteration()

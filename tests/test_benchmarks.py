@@ -138,9 +138,9 @@ def test_report_names_a_peer_that_did_not_run_once_per_table(tmp_path):
     ds = "deepspeed not installed (pip install deepspeed)"
     names = ["torch", "engine", "engine_stage2", "engine_nvme_opt", "engine_nvme_all"]
     ratio_peers = {"vs_engine": "engine", "vs_torch": "torch", "vs_fsdp2": "fsdp2", "vs_deepspeed": "deepspeed",
-                   "vs_deepspeed_nvme": "deepspeed_nvme", "vs_nvme_nopf": "engine_nvme_all_nopf"}
+                   "vs_deepspeed_nvme": "deepspeed_nvme", "vs_engine_nvme_all_nopf": "engine_nvme_all_nopf"}
     rows = [{"contender": n, "step_ms": 100.0 + i, "vs_engine": 1.0, "vs_torch": 1.0, "vs_fsdp2": float("nan"),
-             "vs_deepspeed": float("nan"), "vs_deepspeed_nvme": float("nan"), "vs_nvme_nopf": float("nan")}
+             "vs_deepspeed": float("nan"), "vs_deepspeed_nvme": float("nan"), "vs_engine_nvme_all_nopf": float("nan")}
             for i, n in enumerate(names)]
     missing = {"fsdp2": "skipped (--no-fsdp2)", "deepspeed": ds, "deepspeed_stage2": ds, "deepspeed_nvme": ds,
                "engine_nvme_all_nopf": "skipped (no --compare-prefetch)"}

@@ -136,7 +136,7 @@ def test_configs_are_frozen():
     (lambda: PrecisionConfig(hysteresis=0), "precision.hysteresis", [">= 1"]),
     (lambda: PrecisionConfig(min_loss_scale=0), "precision.min_loss_scale", ["> 0"]),
     (lambda: OffloadConfig(param_tier="gpu"), "offload.param_tier", ["'device', 'cpu', 'nvme'"]),
-    (lambda: OffloadConfig(optimizer_tier="device"), "offload.optimizer_tier", ["'cpu', 'nvme'"]),
+    (lambda: OffloadConfig(optimizer_tier="gpu"), "offload.optimizer_tier", ["'cpu', 'nvme', 'device'"]),
     (lambda: OffloadConfig(optimizer_tier="nvme"), "offload.nvme_path",
      ["required when offload.optimizer_tier is 'nvme'", "local NVMe disk"]),
     (lambda: OffloadConfig(param_tier="nvme", nvme_path=""), "offload.nvme_path",

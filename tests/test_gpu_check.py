@@ -30,8 +30,12 @@ def test_dry_run_runs_every_phase(tmp_path):
     # the cuda tests were collected (and skipped here), not silently absent
     assert phases["cuda_tests"]["skipped"] >= 10 and phases["races"]["skipped"] >= 3
     rows = phases["practicality"]["data"]["contenders"]
-    for name in ("torch", "offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu", "offload_device_cpu_worker_off"):
+    for name in ("torch", "offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu", "offload_device_cpu_worker_on",
+                 "offload_device_cpu_worker_off", "torch_gas4", "offload_device_cpu_worker_on_gas4"):
         assert rows[name]["step_ms"] > 0, name
+    # 4 micro-batches per step are measured against plain PyTorch with as many
+    assert rows["offload_device_cpu_worker_on_gas4"]["gas"] == rows["torch_gas4"]["gas"] == 4
+    assert rows["offload_device_cpu_worker_on_gas4"]["practicality"] > 0
     for name in ("offload_device_cpu", "offload_cpu_cpu", "offload_nvme_cpu"):
         assert 0 < rows[name]["practicality"], name
         assert isinstance(rows[name]["planner"], dict), rows[name]["planner"]

@@ -36,7 +36,7 @@ def synthetic_profile(*, opt_rate: float = 1e10, nvme_gbps: float = 1.0, gpu: bo
     NVMe `nvme_gbps` each way, the CPU optimizer `opt_rate` elements/s."""
     return MachineProfile(
         fingerprint="synthetic", hardware="synthetic", measured_at="2026-01-01T00:00:00+00:00",
-        cpu_threads=4, host_bandwidth=_fig(10.0, "GB/s"),
+        cpu_threads=4, host_bandwidth=_fig(10.0, "GB/s"), parallel_op=_fig(1e-5, "s"),
         optimizer=tuple(OptimizerRate(moments=m, threads=4, rate=_fig(opt_rate)) for m in ("fp32", "bf16", "8bit")),
         cpu_matmul=(MatmulRate(device="cpu", dtype="bf16", d_model=256, rate=_fig(1e11)),
                     MatmulRate(device="cpu", dtype="fp32", d_model=256, rate=_fig(1e11))),
@@ -175,6 +175,7 @@ def test_measured_profile_is_in_sane_ranges(quick_profile):
     # update between 1e6 and 1e11 elements/s per kind, a CPU matmul between 1e8 and 1e14
     # FLOP/s, a disk (or the page cache under a tmpfs) between 0.01 and 100 GB/s.
     assert 0.1 < p.host_bandwidth.value < 1000 and p.host_bandwidth.unit == "GB/s"
+    assert 1e-8 < p.parallel_op.value < 1.0 and p.parallel_op.unit == "s"  # idle: us; busy: a time slice
     assert {r.moments for r in p.optimizer} == {"fp32", "bf16", "8bit"}
     assert all(1e6 < r.rate.value < 1e11 and r.rate.unit == "elements/s" for r in p.optimizer)
     assert all(1e8 < m.rate.value < 1e14 for m in p.cpu_matmul)

@@ -202,8 +202,16 @@ def make_gpt(n_layer: int, d: int, heads: int, vocab: int, seq: int, meta: bool 
     return GPT(vocab, d, n_layer, heads, seq, qkv_bias=True)
 
 
+DEFAULT_TIERS = ("device/cpu,cpu/cpu,nvme/cpu,device/cpu@on,device/cpu@off,device/cpu@on*4,"
+                 "device/cpu+auto,device/device")
+"""practicality's contenders: the tiers at the defaults, then the update during backward on the
+worker and on autograd's thread, and on the worker with 4 micro-batches per step; the update
+split the planner sizes, and every unit's optimizer state on the GPU."""
+
+
 def engine_config(device: torch.device, param_tier: str, optimizer_tier: str, nvme_path: Optional[str],
-                  moments: str = "fp32", timeline: bool = True, pinned_gib: float = 4.0, worker: str = "auto"):
+                  moments: str = "fp32", timeline: bool = True, pinned_gib: float = 4.0, worker: str = "auto",
+                  device_units: Optional[int] = None, gas: int = 1):
     from offload.config import (
         Config, OffloadConfig, OptimizerConfig, PrecisionConfig, PrefetchConfig, TimelineConfig,
     )
@@ -213,9 +221,13 @@ def engine_config(device: torch.device, param_tier: str, optimizer_tier: str, nv
         optimizer=OptimizerConfig(lr=1e-4, moments_dtype=moments),
         precision=PrecisionConfig(dtype="bf16"),
         offload=OffloadConfig(param_tier=param_tier, optimizer_tier=optimizer_tier, nvme_path=nvme_path,
-                              pinned_budget_bytes=int(pinned_gib * GIB)),
+                              pinned_budget_bytes=int(pinned_gib * GIB), optimizer_device_units=device_units),
         timeline=TimelineConfig(enabled=timeline),
         prefetch=PrefetchConfig(optimizer_worker=worker),
+        gradient_accumulation_steps=gas,
+        # A named worker (on/off) runs the updates during backward: that needs the non-finite
+        # guard off (docs/prefetch.md); "auto" keeps the defaults (the guard on, updates at step()).
+        nonfinite_loss="skip" if worker == "auto" else "off",
     )
 
 
@@ -231,6 +243,24 @@ def planner_figure(meta_model, cfg, device: torch.device, param_tier: str, optim
     return est.per_rank.as_dict()
 
 
+def planned_split(meta_model, cfg, device: torch.device, batch_tokens: int) -> tuple[Optional[int], Optional[float], str]:
+    """The update split the planner sizes for this machine (offload/plan/update_split.py): the
+    count of units, its predicted step (s), and how it was chosen. On the CPU (dry run) there is
+    no GPU to size from: half the units, said so."""
+    from offload.plan.machine import make_machine
+    from offload.plan.planner import plan
+    from offload.plan.shapes import shape_from_model
+
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
+    machine = make_machine(gpus=1 if device.type == "cuda" else 0, gpu_mem=gpu_mem, cpu_mem=host_mem_available())
+    shape = shape_from_model(meta_model, tokens=batch_tokens)
+    p = plan(shape, machine=machine, config=cfg)
+    if p.device_split is not None:
+        return p.device_split.units, p.device_split.step_s, p._device_split_line()
+    n = len(shape.units)
+    return max(1, n // 2), None, f"no GPU to size the split from (dry run): half of the {n} units"
+
+
 def _free(path: str) -> int:
     import shutil
 
@@ -244,10 +274,13 @@ class Contender:
         self.name, self.step, self.stats, self.memory, self.close = name, step, stats, memory, close
         self.times: list[float] = []
         self.stall: list[float] = []
+        self.gas = 1
+        """Micro-batches per optimizer step (the same batch each time)."""
 
 
-def torch_contender(base, batch, device: torch.device) -> Contender:
-    """Plain PyTorch: fp32 parameters on the device, bf16 autocast, fused AdamW."""
+def torch_contender(base, batch, device: torch.device, gas: int = 1) -> Contender:
+    """Plain PyTorch: fp32 parameters on the device, bf16 autocast, fused AdamW; `gas`
+    micro-batches (the same batch) per optimizer step."""
     m = copy.deepcopy(base).to(device)
     try:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
@@ -258,9 +291,10 @@ def torch_contender(base, batch, device: torch.device) -> Contender:
     def step() -> float:
         sync(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = m(x, y)
-        loss.backward()
+        for _ in range(gas):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = m(x, y)
+            (loss / gas).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
@@ -270,44 +304,63 @@ def torch_contender(base, batch, device: torch.device) -> Contender:
         nonlocal m, opt
         m = opt = None
 
-    return Contender("torch", step, lambda: None, lambda: {}, close)
+    c = Contender("torch" if gas == 1 else f"torch_gas{gas}", step, lambda: None, lambda: {}, close)
+    c.gas = gas
+    return c
 
 
 def engine_contender(name: str, base, batch, device: torch.device, param_tier: str, optimizer_tier: str,
-                     nvme_root: str, moments: str = "fp32", meta_model=None, worker: str = "auto") -> Contender:
+                     nvme_root: str, moments: str = "fp32", meta_model=None, worker: str = "auto",
+                     split: str = "", split_model=None, gas: int = 1) -> Contender:
+    """`split`: the update split ("" none; "auto" the planner's; a count of units)."""
     import offload
 
     nvme = os.path.join(nvme_root, name) if "nvme" in (param_tier, optimizer_tier) else None
     if nvme:
         os.makedirs(nvme, exist_ok=True)
-    cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments, worker=worker)
+    cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments, worker=worker, gas=gas)
+    units, predicted, how = None, None, ""
+    if split == "auto":
+        units, predicted, how = planned_split(split_model, cfg, device, batch[0].numel() * gas)
+    elif split:
+        units, how = int(split), "given"
+    if units is not None:
+        cfg = engine_config(device, param_tier, optimizer_tier, nvme, moments, worker=worker, gas=gas,
+                            device_units=units)
+        log(f"{name}: {units} unit(s)' optimizer state on the device ({how})")
     engine = offload.initialize(copy.deepcopy(base) if meta_model is None else base, cfg)
-    return wrap_engine(name, engine, cfg, (param_tier, optimizer_tier), batch, device)
+    c = wrap_engine(name, engine, cfg, (param_tier, optimizer_tier), batch, device, gas)
+    c.split = {"device_units": sum(st.on_device for st in engine.states), "units": len(engine.states),
+               "predicted_step_ms": None if predicted is None else 1e3 * predicted, "how": how}
+    return c
 
 
-def wrap_engine(name: str, engine, cfg, tiers: tuple[str, str], batch, device: torch.device) -> Contender:
-    """An engine as a contender: one timed training step per call (synchronised)."""
+def wrap_engine(name: str, engine, cfg, tiers: tuple[str, str], batch, device: torch.device,
+                gas: int = 1) -> Contender:
+    """An engine as a contender: one timed optimizer step per call (`gas` micro-batches of the
+    same batch, synchronised)."""
     x, y = batch
 
     def step() -> float:
         sync(device)
         t0 = time.perf_counter()
-        engine.backward(engine(x, y))
-        engine.step()
+        for _ in range(gas):
+            engine.backward(engine(x, y))
+            engine.step()
         sync(device)
         return time.perf_counter() - t0
 
     c = Contender(name, step, engine.step_stats, engine.memory_bytes, engine.close)
-    c.engine, c.cfg, c.tiers = engine, cfg, tiers
+    c.engine, c.cfg, c.tiers, c.gas = engine, cfg, tiers, gas
     return c
 
 
 def summarise(c: Contender, device: torch.device, meta_model, torch_ms: Optional[float]) -> dict:
-    row: dict[str, Any] = {"steps": len(c.times)}
+    row: dict[str, Any] = {"steps": len(c.times), "gas": c.gas}
     if c.times:
         row["step_ms"] = 1e3 * statistics.median(c.times)
         row["step_ms_all"] = [round(1e3 * t, 1) for t in c.times]
-        if torch_ms and c.name != "torch":
+        if torch_ms and not c.name.startswith("torch"):
             row["practicality"] = torch_ms / row["step_ms"]
     if c.stall:
         row["stall_pct"] = 100 * statistics.median(c.stall)
@@ -319,6 +372,8 @@ def summarise(c: Contender, device: torch.device, meta_model, torch_ms: Optional
     mem = c.memory()
     if mem:
         row["memory_bytes"] = mem
+    if hasattr(c, "split"):
+        row["split"] = c.split
     if hasattr(c, "engine") and meta_model is not None:
         try:
             row["planner"] = planner_figure(meta_model, c.cfg, device, *c.tiers)
@@ -342,8 +397,9 @@ def run_rounds(contenders: list[Contender], rounds: int, res: Results, key: str,
             if st and st.get("step_s"):
                 c.stall.append(st["stall_s"] / st["step_s"])
             log(f"round {r + 1}/{rounds} {c.name}: {1e3 * t:.1f} ms")
-        torch_ms = next((1e3 * statistics.median(c.times) for c in contenders if c.name == "torch"), None)
-        rows = {c.name: summarise(c, device, meta_model, torch_ms) for c in contenders}
+        # practicality against plain PyTorch with as many micro-batches per step
+        torch_ms = {c.gas: 1e3 * statistics.median(c.times) for c in contenders if c.name.startswith("torch")}
+        rows = {c.name: summarise(c, device, meta_model, torch_ms.get(c.gas)) for c in contenders}
         if device.type == "cuda":
             rows["_gpu_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
         rows["_host_rss_bytes"] = host_rss_bytes()
@@ -367,13 +423,23 @@ def phase_practicality(args: argparse.Namespace, res: Results) -> None:
     batch = gpt_batches(1, batch=bsz, seq=seq, vocab=vocab)[0]
     contenders = []
     setups: list[tuple[str, Callable[[], Contender]]] = [("torch", lambda: torch_contender(base, batch, device))]
+    gases = {1}
     for spec in (t for t in args.tiers.split(",") if t):
-        # param_tier/optimizer_tier, optionally @on|@off: prefetch.optimizer_worker (default auto)
+        # param_tier/optimizer_tier, optionally +auto|+N: the update split (the planner's, or the
+        # first N units' optimizer state on the device); @on|@off: prefetch.optimizer_worker (default
+        # auto; a named one runs the updates during backward); *G: G micro-batches per step
+        spec, _, g = spec.partition("*")
+        gas = int(g or 1)
         tiers, _, worker = spec.partition("@")
+        tiers, _, split = tiers.partition("+")
         pt, ot = tiers.split("/")
-        nm = f"offload_{pt}_{ot}" + (f"_worker_{worker}" if worker else "")
-        setups.append((nm, lambda pt=pt, ot=ot, nm=nm, w=worker or "auto": engine_contender(
-            nm, base, batch, device, pt, ot, args.nvme_path, worker=w)))
+        nm = (f"offload_{pt}_{ot}" + (f"_split_{split}" if split else "") + (f"_worker_{worker}" if worker else "")
+              + (f"_gas{gas}" if gas > 1 else ""))
+        if gas not in gases:
+            gases.add(gas)
+            setups.append((f"torch_gas{gas}", lambda gas=gas: torch_contender(base, batch, device, gas)))
+        setups.append((nm, lambda pt=pt, ot=ot, nm=nm, w=worker or "auto", gas=gas, sp=split: engine_contender(
+            nm, base, batch, device, pt, ot, args.nvme_path, worker=w, gas=gas, split=sp, split_model=meta)))
     failed = {}
     for nm, setup in setups:
         t0 = time.perf_counter()
@@ -474,9 +540,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--model", default="1.3b", choices=sorted(MODELS))
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@off",
-                   help="offload contenders as param_tier/optimizer_tier[@on|@off] (the optimizer "
-                        "worker; default auto), comma-separated")
+    p.add_argument("--tiers", default=DEFAULT_TIERS,
+                   help="offload contenders as param_tier/optimizer_tier[+auto|+N][@on|@off][*G], comma-"
+                        "separated: +auto/+N the update split (the planner's, or the first N units' "
+                        "optimizer state on the device); @on/@off runs the updates during backward on the "
+                        "optimizer worker or on autograd's thread (the non-finite guard off; default: the "
+                        "defaults); *G: G micro-batches per step, against plain PyTorch with as many")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mult", type=float, default=2.0, help="scale: training state / GPU memory")

@@ -212,6 +212,12 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else "-"
 
 
+def _split(r: dict[str, Any]) -> str:
+    """'8/25': the units whose optimizer state is on the GPU (the update split), or '-'."""
+    sp = r.get("split")
+    return f"{sp['device_units']}/{sp['units']}" if isinstance(sp, dict) else "-"
+
+
 def update_share(stats: Any) -> str:
     """The optimizer update's share of the last step (the engine's timeline figures): on a
     model that leaves no GPU memory for optimizer state the update runs on the CPU and is
@@ -257,7 +263,7 @@ def table(results: dict[str, Any]) -> str:
                      + (f", {data.get('training_state_over_gpu', 0):.2f}x GPU memory in training state, "
                         f"placement {data.get('placement')}" if name == "scale" else ""))
         lines.append(f"  {'contender':<30} {'step ms':>9} {'practical':>9} {'stall %':>8} {'dev GiB':>8} "
-                     f"{'host GiB':>8} {'plan dev':>8} {'plan host':>9} {'peak GPU':>8}")
+                     f"{'host GiB':>8} {'plan dev':>8} {'plan host':>9} {'peak GPU':>8} {'split':>7} {'pred ms':>8}")
         for cname, r in rows.items():
             if cname.startswith("_") or not isinstance(r, dict):
                 continue
@@ -266,7 +272,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"  {cname:<30} {_f(r.get('step_ms')):>9} {_f(r.get('practicality'), '{:.3f}'):>9} "
                          f"{_f(r.get('stall_pct')):>8} {_gib(mem.get('device')):>8} {_gib(mem.get('host')):>8} "
                          f"{_gib(plan.get('device')):>8} {_gib(plan.get('host')):>9} "
-                         f"{_gib(r.get('gpu_peak_allocated_bytes')):>8}")
+                         f"{_gib(r.get('gpu_peak_allocated_bytes')):>8} {_split(r):>7} "
+                         f"{_f((r.get('split') or {}).get('predicted_step_ms')):>8}")
             share = update_share(r.get("last_step_stats"))
             if share:
                 moments = (data.get("placement") or [None])[0] if name == "scale" else None
@@ -287,8 +294,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {','.join(PHASES)}")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run (default 8 minutes)")
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=S", help="one phase's timeout")
-    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@off",
-                   help="practicality's offload contenders: param_tier/optimizer_tier[@on|@off] (the optimizer worker)")
+    p.add_argument("--tiers", default="device/cpu,cpu/cpu,nvme/cpu,device/cpu@on,device/cpu@off,device/cpu@on*4,"
+                                      "device/cpu+auto,device/device",
+                   help="practicality's offload contenders: param_tier/optimizer_tier[+auto|+N][@on|@off][*G] "
+                        "(tools/gpu_bench.py --help)")
     p.add_argument("--mult", type=float, default=2.0, help="scale: training state / GPU memory")
     p.add_argument("--nvme-path", default=None, help="directory for the NVMe tiers (default: under $TMPDIR)")
     p.add_argument("--out", default=None, help="where gpu_check.json/.log go (default: $OUT, or a temp dir)")

@@ -27,7 +27,8 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("offload._native", "offload._C", "offload.sizes", "offload.dtypes", "offload.devices")),
+    ("base", ("offload._native", "offload._C", "offload.sizes", "offload.dtypes", "offload.devices",
+              "offload.device_runtime")),
     ("models", ("offload.models",)),
     ("config", ("offload.config",)),
     ("storage", ("offload.storage",)),

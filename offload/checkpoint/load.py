@@ -198,7 +198,8 @@ def load_units(
     """NVMe: the pooled slot-layout buffers the chunks land in (`begin_overwrite`)."""
     sources: dict[int, tuple[str, dict[str, int]]] = {}
     """NVMe: units adopted in place (their state left in the checkpoint file)."""
-    readable = {} if in_place or copy_to_swap else _readable_in_place(sharded, records, copy_to_swap)
+    readable = ({} if in_place or copy_to_swap or sharded.nvme is None  # (device units: host copies)
+                else _readable_in_place(sharded, records, copy_to_swap))
 
     def groups() -> Iterator[tuple[int, list[ReadJob]]]:
         for unit in sharded.units:
@@ -273,8 +274,8 @@ def _source_in_place(
     (the load copies the state into the slot). See [Note: adopted state] in
     offload/storage/optim_state.py."""
     store = sharded.optimizer.store
-    if store.resident_at(unit.index) or saved["world_size"] != sharded.world_size:
-        return None
+    if store.resident_at(unit.index) or saved["world_size"] != sharded.world_size or sharded.nvme is None:
+        return None  # (a unit on the compute device is never read in place)
     file, by_key = records[sharded.rank]
     if old["shard_numel"] != unit.layout.shard_numel or not readable.get(file):
         return None
@@ -312,7 +313,7 @@ def _readable_in_place(
 def _open_units(sharded: ShardedState, in_place: bool) -> int:
     """Units whose chunks may be in flight at once: two (the next unit's reads overlap this
     one's swap write), or one when the pinned pool holds only one NVMe slot buffer."""
-    if in_place:
+    if in_place or sharded.nvme is None:
         return 2
     largest = max((lay.nbytes for lay in _disk_layouts(sharded)), default=0)
     return 2 if 2 * largest <= _nvme(sharded).staging.budget_bytes else 1

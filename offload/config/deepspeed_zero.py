@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from offload.config.checks import ConfigError, coerce, positive_int, rule_error
+from offload.config.checks import ConfigError, coerce, positive_int, require, rule_error
 from offload.config.deepspeed_keys import Translation, class_names, only_off, read_section
 from offload.config.sections import OffloadConfig, ShardingConfig
 
@@ -76,7 +76,6 @@ _OFFLOAD_OPTIMIZER_IGNORED = {
     "pipeline_read": "offload always pipelines optimizer-state reads",
     "pipeline_write": "offload always pipelines optimizer-state writes",
     "fast_init": "initialisation detail",
-    "ratio": "offload runs the whole optimizer step on the CPU",
     "super_offload": "a DeepSpeed superchip mode",
     "cpuadam_cores_perc": "use cpu_adam_threads in offload's format",
 }
@@ -86,6 +85,19 @@ _OPTIMIZER_BUFFER_COUNT = 4
 """DeepSpeed's defaults for offload_param.buffer_count / buffer_size (elements) and
 offload_optimizer.buffer_count (deepspeed/runtime/zero/offload_config.py)."""
 _DEVICE = Literal["none", "cpu", "nvme"]
+
+
+def _ratio(t: Translation, value: Any, key: str, optim_device: str) -> None:
+    """ZeRO-Offload++'s `offload_optimizer.ratio`: the share of the optimizer states (by bytes)
+    updated on the CPU; the rest live on the GPU and update there. offload's
+    `optimizer_device_fraction` is its complement (the root and first blocks go first)."""
+    ratio = coerce(key, value, float)
+    require(0.0 <= ratio <= 1.0, key, ratio, "the share of the optimizer states on the CPU must be "
+            "between 0 and 1", "e.g. 0.7 keeps 70 % on the CPU and updates 30 % on the GPU")
+    if optim_device == "none":
+        t.ignore(key, "the optimizer states are all on the GPU (device 'none')")
+    elif ratio < 1.0:
+        t.set("offload.optimizer_device_fraction", round(1.0 - ratio, 12), key)
 
 
 def _removed(full: str, key: str, value: Any) -> ConfigError:
@@ -194,13 +206,20 @@ def translate_zero(t: Translation, elem_bytes: int) -> None:
 
     t.set("offload.param_tier", {"none": "device", "cpu": "cpu", "nvme": "nvme"}[param_device],
           f"{param_path}.device")
-    if optim_device == "none":
+    if optim_device == "none" and (param_device != "none" or "device" in optim):
+        # DeepSpeed keeps the optimizer states on the GPU and updates them there: so does offload
+        # (the optimizer tier "device": [Note: the update split] in offload/storage/device_states.py)
+        t.set("offload.optimizer_tier", "device", f"{optim_path}.device")
+    elif optim_device == "none":
         t.set("offload.optimizer_tier", "cpu", f"{optim_path}.device")
-        t.notes.append(f"{optim_path}.device is 'none' (or the section is missing): DeepSpeed would "
-                       "keep optimizer states on the GPU; offload always keeps them in CPU memory and "
-                       "updates them with its CPU Adam (the same update), so optimizer_tier is 'cpu'")
+        t.notes.append(f"{optim_path} is missing, and so is every offload section: offload keeps the "
+                       "optimizer states in CPU memory and updates them with its CPU Adam (the same "
+                       "update), so optimizer_tier is 'cpu'; set offload_optimizer.device to 'none' to "
+                       "keep them on the GPU as DeepSpeed would")
     else:
         t.set("offload.optimizer_tier", optim_device, f"{optim_path}.device")
+    if optim.get("ratio") is not None:
+        _ratio(t, optim["ratio"], f"{optim_path}.ratio", optim_device)
 
     # One NVMe directory serves both tiers.
     paths: dict[str, str] = {}

@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 ParamTier = Literal["device", "cpu", "nvme"]
-OptimizerTier = Literal["cpu", "nvme"]
+OptimizerTier = Literal["cpu", "nvme", "device"]
 Precision = Literal["fp32", "bf16", "fp16"]
 BufferDtype = Literal["keep", "compute", "fp32", "bf16", "fp16"]
 
@@ -277,7 +277,8 @@ class OffloadConfig(Section):
     param_tier: ParamTier = "cpu"
     """Where a rank's low-precision parameter shard lives between uses."""
     optimizer_tier: OptimizerTier = "cpu"
-    """Where fp32 master weights and Adam moments live."""
+    """Where fp32 master weights and Adam moments live; "device": every unit's on the compute
+    device, updated there (docs/config.md, "The update split")."""
     nvme_path: Optional[str] = None
     """Directory for swap files (required when either tier is nvme)."""
     pin_memory: bool = True
@@ -295,6 +296,13 @@ class OffloadConfig(Section):
     step (offload/storage/placement.py); None or 0 = every unit on its NVMe tier."""
     ram_fraction: Optional[float] = None
     """Instead of `ram_budget_bytes`: the share (0 to 1) of the NVMe tiers' bytes to keep in RAM."""
+    optimizer_device_units: Any = None
+    """Units whose fp32 master and optimizer state live on the compute device and update there:
+    a count (the root and the first blocks: their CPU update would finish last) or a list of
+    unit names ("<root>", "blocks.0", ...); the others follow optimizer_tier. None: none."""
+    optimizer_device_fraction: Optional[float] = None
+    """Instead of `optimizer_device_units`: the share (0 to 1) of the optimizer state's bytes
+    on the compute device, filled in the same order."""
 
     def _check(self) -> None:
         if self.placement == "auto" and (self.param_tier, self.optimizer_tier) != ("cpu", "cpu"):
@@ -309,10 +317,46 @@ class OffloadConfig(Section):
                                   f"is required when {self._key(tier_key)} is 'nvme'",
                                   "set it to a directory on a local NVMe disk")
         self._check_ram_budget()
+        self._check_device_units()
         require(self.pinned_budget_bytes > 0, self._key("pinned_budget_bytes"),
                 self.pinned_budget_bytes, "the budget must be a positive number of bytes",
                 "use at least a few unit shards' worth, e.g. 1073741824 (1 GiB)")
 
+
+    def _check_device_units(self) -> None:
+        """`optimizer_device_units` (a count or names) or `optimizer_device_fraction`, one of them,
+        with a tier they split; normalised: an integral number to an int, a list to a tuple."""
+        units, frac = self.optimizer_device_units, self.optimizer_device_fraction
+        key = self._key("optimizer_device_units")
+        if units is None and frac is None:
+            return
+        if units is not None and frac is not None:
+            raise ConfigError(self._key("optimizer_device_fraction"), "and optimizer_device_units are "
+                              "both set", "say which units' optimizer state is on the device one way")
+        given = key if units is not None else self._key("optimizer_device_fraction")
+        if self.placement == "auto" or self.optimizer_tier == "device":
+            why = "placement 'auto' sizes the split" if self.placement == "auto" else \
+                "optimizer_tier 'device' puts every unit there"
+            raise ConfigError(given, f"is set, but {why}", f"leave {given} out, or use placement "
+                              "'manual' with optimizer_tier 'cpu' or 'nvme'")
+        if frac is not None:
+            require(0.0 <= frac <= 1.0, given, frac, "the fraction must be between 0 and 1",
+                    "e.g. 0.4 puts 40 % of the optimizer state's bytes on the compute device")
+            return
+        if isinstance(units, float) and units.is_integer():
+            units = int(units)
+        if isinstance(units, int) and not isinstance(units, bool):
+            require(units >= 0, key, units, "a count of units must be >= 0",
+                    "e.g. 4: the root and the first three blocks")
+        elif isinstance(units, (list, tuple)) and all(isinstance(u, str) and u for u in units):
+            require(len(set(units)) == len(units), key, units, "a unit is named twice",
+                    "name each unit once")
+            units = tuple(units)
+        else:
+            raise ConfigError(key, f"= {units!r}, which is neither a count of units nor a list of "
+                              "unit names", "give a count (e.g. 4), a list such as ['<root>', "
+                              "'blocks.0'], or a share of the bytes as optimizer_device_fraction")
+        object.__setattr__(self, "optimizer_device_units", units)
 
     def _check_ram_budget(self) -> None:
         keys = [k for k in ("ram_budget_bytes", "ram_fraction") if getattr(self, k) is not None]

@@ -29,10 +29,11 @@ in either holding state (`arriving`; `wait_arrived` before any read on the host)
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from offload.device_runtime import runtime
 from offload.units.full_buffers import CAN_POINT, point_storage, unpoint_storage
 from offload.units.storage_bytes import alloc_storage, free_storage
 
@@ -80,9 +81,12 @@ class GradShard:
         ranks before it uses them)."""
         self.reduces = 0
         """Reduce-scatters into the shard since it was last cleared."""
-        self.ready: Optional[torch.cuda.Event] = None
+        self.ready: Optional[Any] = None
         """A CUDA event after which the shard holds its newest reduction (its copy down from
         the GPU runs on a side stream: `GradReduce.wait(host_async=True)`), or None."""
+        self.arrived: Optional[Any] = None
+        """The event `wait_arrived` waited for since the newest reduction (None: that one was
+        written on the host): the unit's backward and reduce had run on the device by then."""
         self._lender: Optional["GradScratch"] = None
         """The scratch whose memory the shard borrows, while it does."""
 
@@ -143,15 +147,17 @@ class GradShard:
         assert len(slot_has) == len(self.slot_has)
         self.slot_has = list(slot_has)
 
-    def arriving(self, event: Optional[torch.cuda.Event]) -> None:
+    def arriving(self, event: Optional[Any]) -> None:
         """The newest reduction comes down from the GPU until `event` (None: it is here)."""
         self.ready = event
+        self.arrived = None  # until it is waited for
 
     def wait_arrived(self) -> None:
         """Block until the shard holds its newest reduction on the host."""
         ready, self.ready = self.ready, None
         if ready is not None:
-            ready.synchronize()
+            self.arrived = ready
+            runtime().synchronize(ready)
 
     def averaged(self) -> None:
         """UNAVERAGED -> SUMMED: the replicas' average was applied to it."""

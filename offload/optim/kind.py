@@ -62,6 +62,10 @@ class OptimizerKind:
     """Decoupled weight decay (AdamW's)."""
     torch_class: Optional[type] = None
     """Generic kinds: the torch optimizer class that runs the update."""
+    device_build: Optional[UpdateBuilder] = None
+    """Builds the update of a unit whose state lives on the compute device (torch's kernels:
+    offload/optim/device_update.py); None for a generic kind, whose `build` runs torch's
+    class on any device."""
 
     @property
     def generic(self) -> bool:
@@ -99,6 +103,16 @@ class OptimizerKind:
         extra = {"threads": threads} if threads > 0 and adam_fn is None else {}
         return self.build(self, decoupled=self.decoupled if decoupled is None else decoupled,
                           extra=extra, adam_fn=adam_fn, moments=moments)
+
+    def device_update(self, *, decoupled: Optional[bool] = None, moments: str = "fp32") -> UpdateFn:
+        """The update one run of a device unit calls ([Note: the update split] in
+        offload/storage/device_states.py): `device_build`'s, or a generic kind's own."""
+        build = self.device_build if self.device_build is not None else self.build if self.generic else None
+        if build is None:
+            raise NotImplementedError(f"optimizer {self.name} has no update on the compute device; keep "
+                                      "its state off the device (optimizer_tier 'cpu' or 'nvme')")
+        return build(self, decoupled=self.decoupled if decoupled is None else decoupled,
+                     extra={}, adam_fn=None, moments=moments)
 
     def refuse_flags(self, optimizer: torch.optim.Optimizer) -> bool:
         """For a torch optimizer this kind takes over: True when a group sets a flag torch's

@@ -22,6 +22,7 @@ from torch import nn
 from offload.config.sections import OptimizerConfig
 from offload.optim import generic
 from offload.optim.adam8bit import adam8bit_step_flat
+from offload.optim.device_update import adagrad_device_update, adam_device_update, lion_device_update
 from offload.optim.functional import adam_step_flat
 from offload.optim.kind import MOMENT_FORMATS, OptimizerKind, UpdateFn
 from offload.optim.one_state import adagrad_step_flat, lion_step_flat
@@ -105,18 +106,20 @@ def _is_adamw(o: torch.optim.Optimizer) -> bool:
 REGISTRY: Mapping[str, OptimizerKind] = MappingProxyType({k.name: k for k in (
     OptimizerKind("Adam", _ADAM_STATES, _ADAM_HP, _adam_update,
                   takes_over=lambda o: isinstance(o, torch.optim.Adam) and not _is_adamw(o),
-                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True),
+                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True, device_build=adam_device_update),
     OptimizerKind("AdamW", _ADAM_STATES, _ADAM_HP, _adam_update, takes_over=_is_adamw,
-                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True, decoupled=True),
+                  generic_flags=_TORCH_ONLY_FLAGS, eight_bit=True, decoupled=True,
+                  device_build=adam_device_update),
     OptimizerKind("Lion", ("exp_avg",), ("lr", "betas", "weight_decay"), _lion_update,
                   takes_over=lambda o: type(o).__name__ == "Lion"
                   and type(o).__module__.startswith("lion_pytorch"),
                   refused_flags={"use_triton": bool, "decoupled_weight_decay": bool,
-                                 "cautious_factor": lambda v: v not in (0.0, None)}),
+                                 "cautious_factor": lambda v: v not in (0.0, None)},
+                  device_build=lion_device_update),
     OptimizerKind("Adagrad", ("sum",), ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
                   _adagrad_update, takes_over=lambda o: isinstance(o, torch.optim.Adagrad),
                   generic_flags=("maximize", "differentiable"),
-                  starts_at={"sum": "initial_accumulator_value"}),
+                  starts_at={"sum": "initial_accumulator_value"}, device_build=adagrad_device_update),
 )})
 """The native kinds, by `optimizer.type`: each one record (offload/optim/kind.py)."""
 

@@ -28,40 +28,18 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Seque
 import torch
 
 from offload.config.sections import Config
+from offload.device_runtime import runtime
 from offload.devices import StreamPurpose, side_stream
 from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind, UpdateFn
 from offload.optim.kinds import KindLike, kind_of, resolve_param_groups
-from offload.sizes import ALIGNMENT, align_up
+from offload.sizes import align_up
+from offload.storage.host_state import HOST_STATE_ALIGN_MIN_BYTES, host_state_bytes, host_state_zeros  # noqa: F401
 from offload.storage.pinned import pinned_empty
 from offload.storage.optim_state import HostOptimizerStates, UnitTensors
 from offload.storage.state_store import OptimizerStates
 from offload.storage.tiers import Tier, wait
 from offload.units.shard import FROZEN_GROUP, FlatUnit, UnitLayout, UpdateRun, update_runs
-
-HOST_STATE_ALIGN_MIN_BYTES = 1 << 20
-"""Host optimizer-state tensors (master, moments) this large start on a page boundary
-(`host_state_zeros`); smaller ones come from the CPU allocator as they are."""
-
-
-def host_state_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D host tensor for a unit's master or moments. Large ones are page-aligned
-    (`offload.storage.io.aligned_empty`, on transparent huge pages from 4 MiB), so a checkpoint's
-    O_DIRECT reads land in them and its writes leave from them with no staging copy (the
-    CPU allocator aligns to 64 bytes only). Costs one page more than the tensor
-    (`host_state_bytes`)."""
-    from offload.storage.io import aligned_empty
-
-    nbytes = numel * dtype.itemsize
-    if nbytes < HOST_STATE_ALIGN_MIN_BYTES:
-        return torch.zeros(numel, dtype=dtype)
-    return aligned_empty(nbytes, dtype, pin=False).zero_()
-
-
-def host_state_bytes(nbytes: int) -> int:
-    """Host bytes `host_state_zeros` holds for a tensor of `nbytes` (for the planner)."""
-    return nbytes if nbytes < HOST_STATE_ALIGN_MIN_BYTES else nbytes + ALIGNMENT
-
 
 @dataclass
 class UnitOptimizerState:
@@ -87,6 +65,8 @@ class UnitOptimizerState:
     slot_steps: list[int]
     n_optimized: int = 0
     """Elements [0, n_optimized) of the shard carry moments."""
+    on_device: bool = False
+    """Master, moments, gradient shard on the compute device: [Note: the update split]."""
 
     @property
     def grad(self) -> torch.Tensor:
@@ -184,10 +164,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Two pinned host buffers the new low-precision shard of a device-tier unit is
         written to, then uploaded from on `_upload_stream` (double-buffered: the update of
         the next unit writes the other while this one's upload runs; F9)."""
-        self._staging_done: list[Optional[torch.cuda.Event]] = [None, None]
+        self._staging_done: list[Optional[Any]] = [None, None]
         """Per staging buffer, the event after its last upload (None: never uploaded)."""
         self._staging_next = 0
-        self._upload_stream: Optional[torch.cuda.Stream] = None
+        self._upload_stream: Optional[Any] = None
+        self._upload_device = torch.device("cpu")
+        """The device `_upload_stream` is on."""
         self._work = [
             i for i, st in enumerate(self.unit_states) if st.layout.shard_optimized_numel(self.rank) > 0
         ]
@@ -196,7 +178,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         written back on this rank: nothing in it changes (before, its state was rewritten each
         step, bytes on the drive for nothing)."""
         self._work_set = frozenset(self._work)
+        self._device_fn: Optional[UpdateFn] = (  # the units on the compute device: torch's kernels
+            self.record.device_update(decoupled=self.decoupled_weight_decay, moments=moments)
+            if any(st.on_device for st in self.unit_states) else None)
         self._fill_initial_state()
+
+    @property
+    def work_units(self) -> frozenset[int]:
+        """The units with something to optimize on this rank."""
+        return self._work_set
 
     def _adam(self) -> UpdateFn:
         """The update one run calls (`OptimizerKind.update`, offload/optim/kind.py)."""
@@ -270,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         active = _active_slots(st)
         new_steps = _counted_steps(st)
         runs = update_runs(st.layout, self.rank, active, new_steps)
+        if st.on_device and self._device_fn is not None:
+            adam = self._device_fn
         lowp = self._lowp_target(st, t)
         if lowp is not None and runs and not _is_shard(self.param_tier, st, lowp):
             # A staging buffer is stored whole: what the runs do not write (frozen or
@@ -311,8 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unit.dtype == torch.float32:
             return None
         shard = self.param_tier.view(unit.key)
-        if shard is not None and shard.device.type == "cpu":
-            return shard
+        if shard is not None and (st.on_device or not _uploads_to(unit, shard)):
+            return shard  # host memory, or a device unit's shard beside its state: in place
         n = unit.master_numel
         if t.scratch is not None:
             return t.scratch[: n * unit.full.element_size()].view(unit.dtype)
@@ -321,13 +313,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         done = self._staging_done[b]
         if done is not None:  # its upload two units ago has read it
             self._staging_done[b] = None
-            done.synchronize()
+            runtime().synchronize(done)
         buf = self._staging[b]
         if buf is None or buf.numel() < n or buf.dtype != unit.dtype:
             # As large as the largest shard at once, so both buffers hold the same bytes
             # whatever the update order (the planner counts 2 x the largest shard).
-            size = max(n, max((st.unit.master_numel for st in self.unit_states if st.layout.has_optimized),
-                              default=0))
+            size = max(n, max((st.unit.master_numel for st in self.unit_states
+                               if st.layout.has_optimized and not st.on_device), default=0))
             buf = self._staging[b] = (pinned_empty(size * unit.dtype.itemsize, unit.dtype)
                                       if torch.cuda.is_available() else torch.empty(size, dtype=unit.dtype))
         self._staging_in_use = b
@@ -345,31 +337,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._store(t, unit, t.master)
             return
         assert lowp is not None, "a low-precision unit has a target (_lowp_target)"
-        if shard is not None and shard.device.type == "cuda" and lowp.is_pinned():
-            self._upload(t, unit, lowp, shard.device)
+        if shard is not None and not st.on_device and _uploads_to(unit, shard) and runtime().is_pinned(lowp):
+            self._upload(t, unit, lowp, shard.device, st.grad_shard.arrived)
         elif shard is None or lowp.data_ptr() != shard.data_ptr():
             self._store(t, unit, lowp)
         # A unit that stays gathered (world size 1, aliased) already sees the new values;
         # any other is re-gathered from the updated shard before its next use.
 
-    def _upload(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor, device: torch.device) -> None:
-        """Copy a staged shard up on the upload stream, after the compute stream's work so
-        far (which may still read the old values); the compute stream waits for it at
+    def _upload(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor, device: torch.device,
+                after: Optional[Any]) -> None:
+        """Copy a staged shard up on the upload stream once nothing reads the old values
+        ([Note: streams and threads], UPLOAD); the compute stream waits for it at
         `settle_uploads`, and the staging buffer is reused once its event has passed: no
-        host wait here (issue #30, F9: a compute-stream sync per unit)."""
+        host wait here (a compute-stream sync per unit would serialise the step)."""
+        rt = runtime()
         stream = self._upload_stream = side_stream(device, StreamPurpose.UPLOAD)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        self._upload_device = device
+        if after is not None:
+            rt.wait_event(stream, after)
+        else:
+            rt.wait_stream(stream, rt.current_stream(device))
+        with rt.stream(stream):
             self._store(t, unit, src)
-            done = torch.cuda.Event()
-            done.record(stream)
+            done = rt.record(stream, f"upload {unit.index}")
         self._staging_done[self._staging_in_use] = done
 
     def settle_uploads(self) -> None:
         """Order the compute stream after every upload issued so far (before the next use of
         a device-tier shard: the next forward, a checkpoint, a state dict)."""
         if self._upload_stream is not None:
-            torch.cuda.current_stream(self._upload_stream.device).wait_stream(self._upload_stream)
+            rt = runtime()
+            rt.wait_stream(rt.current_stream(self._upload_device), self._upload_stream)
 
     def _store(self, t: UnitTensors, unit: FlatUnit, src: torch.Tensor) -> None:
         handle = self.param_tier.store_prefix(unit.key, src)  # the master's part of the shard
@@ -576,3 +574,9 @@ def _counted_steps(st: UnitOptimizerState) -> list[int]:
     all padding or frozen values still counts: a checkpoint re-sharded to another world size
     may give that rank elements of the parameter, and Adam's bias correction reads the count)."""
     return [s + 1 if a else s for s, a in zip(st.slot_steps, _active_slots(st))]
+
+
+def _uploads_to(unit: FlatUnit, shard: torch.Tensor) -> bool:
+    """Whether `unit`'s parameter shard lives on a device with streams (the device tier on a
+    GPU), so its update is staged in host memory and uploaded."""
+    return unit.tier.kind == "device" and runtime().has_streams(shard.device)

@@ -20,7 +20,14 @@ from offload.optim.kinds import MOMENT_FORMATS
 from offload.plan.machine import DEFAULT_RESERVES, make_machine, mem_available_bytes
 from offload.plan.measure import measure_profile
 from offload.plan.planner import plan
-from offload.plan.profile import MachineProfile, cache_path, cached_profile, fingerprint, load_profile, save_profile
+from offload.plan.profile import (
+    MachineProfile,
+    cache_path,
+    cached_profile,
+    load_profile,
+    save_profile,
+    this_machine_cached,
+)
 from offload.plan.shapes import ModelShape, shape_from_dims, shape_from_hf_config
 from offload.plan.sharding import compare_sharding
 from offload.plan.stages import compare_stages
@@ -118,15 +125,7 @@ def _profile(args: argparse.Namespace) -> Optional[MachineProfile]:
                                       quick=args.quick)
     if args.measure:
         return cached_profile(measure, args.nvme_path, refresh=True)
-    path = cache_path()
-    if os.path.exists(path):
-        try:
-            prof = load_profile(path)
-        except ValueError:
-            return None
-        if prof.fingerprint == fingerprint(args.nvme_path):
-            return prof
-    return None
+    return this_machine_cached(args.nvme_path)
 
 
 def _param_count(text: str, flag: str) -> int:

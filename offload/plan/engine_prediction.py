@@ -11,12 +11,11 @@ its own, and without either there is no prediction (None).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 from torch import nn
 
-from offload.plan.profile import cache_path, fingerprint, load_profile
+from offload.plan.profile import this_machine_cached
 from offload.plan.shapes import shape_from_model
 from offload.plan.step_time import StepPrediction, StepSettings, predict_step
 
@@ -32,17 +31,8 @@ def predict_for_engine(model: nn.Module, config: Any, *, on_gpu: bool, world_siz
     tokens = config.logging.tokens_per_step
     if not tokens:
         return None
-    path = cache_path()
-    nvme = config.offload.nvme_path
-    if not os.path.exists(path):
-        return None
-    try:
-        profile = load_profile(path)
-    except ValueError as e:
-        logger.debug("no predicted step: %s", e)
-        return None
-    if profile.fingerprint != fingerprint(nvme):
-        logger.debug("no predicted step: the cached machine profile is of other hardware")
+    profile = this_machine_cached(config.offload.nvme_path)
+    if profile is None:
         return None
     # tokens_per_step is one rank's, accumulation included: the step this rank computes.
     shape = shape_from_model(model, tokens=int(tokens),

@@ -78,6 +78,36 @@ def _host_bandwidth(quick: bool) -> Figure:
                          f"{3 if quick else 5} samples of >= {SAMPLE_S / 5 if quick else SAMPLE_S:g} s")
 
 
+def _parallel_op(quick: bool, host_gbps: float) -> Figure:
+    """[Note: the cost of a launch] A CPU kernel on more elements than one thread's grain
+    (torch: 32768) runs on all of torch's threads and returns when the last one finishes.
+    On an idle machine that costs microseconds beyond the bytes; on one where other work
+    keeps the cores busy, each launch waits until the scheduler runs every one of its
+    threads: measured here under load, an add of 65K elements took 27 ms, the same add of
+    16K (one thread) 7 us. A step launches a few dozen such kernels per unit, so this is
+    measured apart from bandwidth: the mean time of a 256K-element add, less its bytes at
+    the host bandwidth, each call after a 0.5 ms pause as a step has Python between its
+    kernels (the pause lets the threads go idle; back to back, a busy machine's launch
+    measured 1-4 ms, with pauses 22 ms: a step's launches are the paused kind)."""
+    n = 1 << 18
+    x, y = torch.randn(n), torch.randn(n)
+    torch.add(x, y, out=x)
+    samples = []
+    for _ in range(3 if quick else 5):
+        busy, calls, t0 = 0.0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < (SAMPLE_S / 5 if quick else SAMPLE_S) or calls < 3:
+            time.sleep(0.0005)
+            a = time.perf_counter()
+            torch.add(x, y, out=x)
+            busy += time.perf_counter() - a
+            calls += 1
+        samples.append(busy / calls)
+    latency = max(statistics.median(samples) - 12 * n / (host_gbps * 1e9), 1e-6)
+    return Figure(value=latency, unit="s", method=f"torch.add of {n} fp32 elements on {torch.get_num_threads()} "
+                  "thread(s), each after a 0.5 ms pause; median of the samples' mean time per call, less "
+                  "its 12 B/element at the host bandwidth")
+
+
 def _optimizer_rates(quick: bool, cores: int) -> tuple[OptimizerRate, ...]:
     from offload.optim.adam8bit import Moments8bit, adam8bit_step_flat
     from offload.optim.functional import adam_step_flat
@@ -113,7 +143,10 @@ def _optimizer_rates(quick: bool, cores: int) -> tuple[OptimizerRate, ...]:
     return tuple(out)
 
 
-def _matmul_rates(device: torch.device, quick: bool, dtypes: tuple[str, ...]) -> tuple[MatmulRate, ...]:
+def _matmul_rates(device: torch.device, quick: bool, dtypes: tuple[str, ...],
+                  launch_s: float = 0.0) -> tuple[MatmulRate, ...]:
+    """FLOP/s at each size, the launch latency (`launch_s`, the CPU's `parallel_op`) taken
+    out of each call's time: the model charges it per call apart."""
     sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
@@ -127,10 +160,12 @@ def _matmul_rates(device: torch.device, quick: bool, dtypes: tuple[str, ...]) ->
             b = torch.randn(d, 4 * d, device=device).to(torch_dt)
             reps = 2 if quick else 3
             t = _median_time(lambda: torch.mm(a, b), reps, sync, SAMPLE_S / 5 if quick else SAMPLE_S)
+            work = max(t - launch_s, 0.05 * t)
             out.append(MatmulRate(device=device.type, dtype=dt, d_model=d, rate=Figure(
-                value=2 * tokens * d * 4 * d / t, unit="FLOP/s",
+                value=2 * tokens * d * 4 * d / work, unit="FLOP/s",
                 method=f"torch.mm ({tokens} x {d}) @ ({d} x {4 * d}) in {dt}, {torch.get_num_threads()} "
-                       f"torch thread(s), 2mnk / median time of {reps}")))
+                       f"torch thread(s), 2mnk / (median of {reps} samples of >= {SAMPLE_S / 5 if quick else SAMPLE_S:g} s "
+                       f"per call" + (f", less the launch latency {launch_s:.3g} s)" if launch_s else ")"))))
     return tuple(out)
 
 
@@ -203,10 +238,13 @@ def measure_profile(*, nvme_path: Optional[str] = None, block_size: int = 1 << 2
         kw.update(_gpu(quick))
     else:
         absent.append("no GPU: no host-device copies, GPU matmul or GPU memory (compute on the CPU)")
+    host = _host_bandwidth(quick)
+    launch = _parallel_op(quick, host.value)
     return MachineProfile(
         fingerprint=fingerprint(nvme_path), hardware=hardware_text(nvme_path),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), quick=quick,
-        cpu_threads=cores, host_bandwidth=_host_bandwidth(quick),
+        cpu_threads=cores, host_bandwidth=host, parallel_op=launch,
         optimizer=_optimizer_rates(quick, cores),
+        # back to back, a matmul's launch is the hot kind (threads spinning): nothing taken out
         cpu_matmul=_matmul_rates(torch.device("cpu"), quick, ("fp32", "bf16")),
         absent=tuple(absent), **kw)  # type: ignore[arg-type]

@@ -32,10 +32,13 @@ from offload.config.sections import OptimizerTier, ParamTier
 from offload.dtypes import DTYPES, MOMENT_DTYPES
 from offload.optim.kinds import MOMENT_FORMATS, OptimizerArg, state_specs
 from offload.optim.sharded import transient_grad_shards
+from offload.runtime.device_split import device_units
 from offload.plan.machine import Machine, format_size, machine_from_system, make_machine
-from offload.plan.profile import MachineProfile
+from offload.plan.profile import MachineProfile, this_machine_cached
 from offload.plan.shapes import ModelShape, shape_from_model
 from offload.plan.step_time import StepPrediction, StepSettings, predict_step
+from offload.plan.update_split import (NOMINAL_CPU_ELEMS_PER_S, NOMINAL_DEVICE_ELEMS_PER_S, DeviceSplit,
+                                       SplitRates, nominal_compute_s, split_for_plan)
 from offload.plan.tier_bytes import (
     TierBytes,
     disk_bytes_per_step,
@@ -142,6 +145,13 @@ class Plan:
     each placement's `working_device_bytes`."""
     shape: Optional[str] = None
     """The model's shape, in words, when one was given."""
+    device_split: Optional[DeviceSplit] = None
+    """On a GPU, with no split in the config: how many units' optimizer state the recommended
+    placement puts on the GPU (offload/plan/update_split.py)."""
+    split_rates_measured: bool = False
+    recompute_frees_bytes: int = 0
+    """Activation bytes per rank that `activation_checkpointing` would free (0: it is on, or no shape)."""
+    units_more_with_recompute: int = 0
 
     def estimate(self, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
         for e in self.estimates:
@@ -156,6 +166,8 @@ class Plan:
                "optimizer_tier": self.recommended.optimizer_tier}
         if self.ram_budget_bytes:
             out["ram_budget_bytes"] = self.ram_budget_bytes
+        if self.device_split is not None and self.device_split.units:
+            out["optimizer_device_units"] = self.device_split.units
         if self.moments != "fp32":
             return {"offload": out, "optimizer": {"moments_dtype": self.moments}}
         return {"offload": out}
@@ -178,6 +190,8 @@ class Plan:
             "hints": list(self.hints),
             "ram_budget_bytes": self.ram_budget_bytes,
             "activation_bytes": self.activation_bytes, "shape": self.shape,
+            "device_split": None if self.device_split is None else asdict(self.device_split),
+            "recompute_frees_bytes": self.recompute_frees_bytes,
             "split": None if self.split is None else {
                 "param_on_nvme": list(self.split.param_on_nvme),
                 "state_on_nvme": list(self.split.state_on_nvme),
@@ -240,8 +254,25 @@ class Plan:
                     f"for units in RAM instead of NVMe ({self.split.describe()}): disk/step "
                     f"{format_size(self.recommended.disk_bytes_per_step)} -> "
                     f"{format_size(self.split_disk_bytes_per_step)}")
+            if self.device_split is not None:
+                lines.append(self._device_split_line())
             lines.append(f"config: {json.dumps(self.config_snippet())}")
         return "\n".join(lines)
+
+    def _device_split_line(self) -> str:
+        """The update split the planner sized ([Note: the split rule] in offload/plan/update_split.py)."""
+        d = self.device_split
+        assert d is not None
+        text = (f"update split: the first {d.units} unit(s)' optimizer state on the GPU "
+                f"({format_size(d.bytes)} of {format_size(d.room_bytes)} left), step ~{d.step_s:.3g} s "
+                f"vs {d.all_cpu_step_s:.3g} s with every update on the CPU "
+                f"({'measured' if self.split_rates_measured else 'nominal'} rates)")
+        if self.recompute_frees_bytes:
+            text += (f"; activation recompute (activation_checkpointing) would free "
+                     f"{format_size(self.recompute_frees_bytes)} per rank"
+                     + (f": room for {self.units_more_with_recompute} unit(s) more" if self.units_more_with_recompute
+                        else ", which the split does not need (it is bound by time, not memory)"))
+        return text
 
     def _bytes_per_param_line(self) -> str:
         """The training state per trainable parameter, next to the usual "16 B per parameter"
@@ -320,6 +351,10 @@ def plan(
             raise ValueError(f"a model needs at least one parameter, got {model_or_params!r}")
         spec = spec_from_count(count, ws, units, state_specs(cfg.optimizer.type, moments))
     on_gpu = machine.gpus_per_node > 0
+    # The units whose optimizer state the config puts on the compute device (the engine's choice
+    # from the same sizes: offload/runtime/device_split.py), whatever the tiers of the others.
+    on_device = device_units(cfg, unit_bytes([u.layout for u in spec.units], p_bytes, spec.states, ws)[1],
+                             [u.name for u in spec.units])
     # With the model's shape, its activations (offload/plan/shapes.py) join the working set.
     activation_bytes = int(shape.activation_elems() * p_bytes) if shape is not None else 0
 
@@ -329,7 +364,8 @@ def plan(
         transient = transient_grad_shards(cfg, on_gpu)
         rank_list = [rank_bytes(spec, r, pt, ot, p_bytes=p_bytes, on_gpu=on_gpu,
                                 pinned_budget_bytes=cfg.offload.pinned_budget_bytes,
-                                transient_grads=transient, stage=cfg.zero_stage, world_size=ws)
+                                transient_grads=transient, stage=cfg.zero_stage, world_size=ws,
+                                device_units=on_device)
                      for r in range(ws)]
         for rb in rank_list:
             per_rank = per_rank.max(rb)
@@ -386,9 +422,22 @@ def plan(
     budget, split, split_disk = 0, None, 0
     if best is not None and _on_disk(best.param_tier, best.optimizer_tier):
         budget, split, split_disk = _ram_split(spec, best, machine, p_bytes)
+    frees = 0
+    if shape is not None and not shape.recompute:
+        frees = int((shape.activation_elems() - replace(shape, recompute=True).activation_elems()) * p_bytes)
+    device_split, more = None, 0
+    if best is not None and on_gpu and not on_device:
+        room = (machine.gpu_mem_bytes or 0) - machine.gpu_reserve_bytes - best.per_rank.device \
+            - best.working_device_bytes
+        rates = SplitRates(cpu_elems_per_s=profile.optimizer_rate(moments) if profile else NOMINAL_CPU_ELEMS_PER_S,
+                           device_elems_per_s=NOMINAL_DEVICE_ELEMS_PER_S,
+                           compute_s=best.predicted.backward_s if best.predicted else
+                           nominal_compute_s(shape.params, shape.tokens) if shape is not None else 0.0,
+                           measured=profile is not None)
+        device_split, more = split_for_plan(spec, best.param_tier, room, p_bytes, ws, rates, frees)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
                 best, reason, hints, budget, split, split_disk, activation_bytes,
-                None if shape is None else shape.source)
+                None if shape is None else shape.source, device_split, profile is not None, frees, more)
 
 
 def _on_disk(*tiers: str) -> bool:
@@ -518,18 +567,28 @@ def resolve_placement(model: nn.Module, config: Config, optimizer: OptimizerArg,
         machine = make_machine(gpus=machine.gpus_per_node, gpu_mem=gpu or None, cpu_mem=cpu,
                                nvme_free=None if nvme < 0 else nvme, world_size=pg.world_size,
                                ranks_per_node=machine.local_ranks)
-    result = plan(model, machine=machine, config=config, optimizer=optimizer)
+    # With the tokens per step and this machine's cached profile, rank by predicted step
+    # (every rank reads the same file on one node; ranks of other nodes may differ: they
+    # then agree only on the memory, so time ranks only on one node).
+    profile = this_machine_cached(config.offload.nvme_path) if machine.nodes == 1 else None
+    tokens = config.logging.tokens_per_step
+    result = plan(model, machine=machine, config=config, optimizer=optimizer, profile=profile,
+                  tokens=tokens if profile is not None else None)
     if result.recommended is None:
         raise MemoryError(f"offload.placement='auto': {result.reason}\n{result}")
     best = result.recommended
     offload_cfg = replace(config.offload, param_tier=best.param_tier, optimizer_tier=best.optimizer_tier,
-                          placement="manual", ram_budget_bytes=result.ram_budget_bytes or None)
+                          placement="manual", ram_budget_bytes=result.ram_budget_bytes or None,
+                          optimizer_device_units=(result.device_split.units or None)
+                          if result.device_split is not None else None)
     if pg.rank == 0:
         logger.info("offload.placement='auto' chose params=%s, optimizer=%s: %s "
                     "(per rank: device %s, host %s, nvme %s; machine: %s)",
                     best.param_tier, best.optimizer_tier, result.reason,
                     format_size(best.per_rank.device), format_size(best.per_rank.host),
                     format_size(best.per_rank.nvme), machine.describe())
+        if result.device_split is not None:
+            logger.info("offload.placement='auto': %s", result._device_split_line())
         if result.split is not None:
             logger.info("offload.placement='auto' keeps %s of host memory per rank for units in "
                         "RAM: %s", format_size(result.ram_budget_bytes), result.split.describe())

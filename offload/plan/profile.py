@@ -31,11 +31,11 @@ import torch
 
 __all__ = ["Figure", "OptimizerRate", "MatmulRate", "MachineProfile", "PROFILE_VERSION",
            "cache_path", "fingerprint", "hardware_text", "load_profile", "save_profile",
-           "cached_profile"]
+           "cached_profile", "this_machine_cached"]
 
 logger = logging.getLogger("offload")
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Bumped when the record's fields change: an older file is measured again."""
 
 
@@ -92,6 +92,10 @@ class MachineProfile:
     """Cores in the measuring process's affinity: the most threads the optimizer uses."""
     host_bandwidth: Figure
     """Host memory copy bandwidth, GB/s (bytes read + written)."""
+    parallel_op: Figure
+    """Seconds one CPU kernel launch on several threads costs beyond its bytes (unit 's'):
+    microseconds on an idle machine, a scheduler's time slice where other work keeps the
+    cores busy (each launch waits for all its threads). [Note: the cost of a launch]"""
     optimizer: tuple[OptimizerRate, ...]
     cpu_matmul: tuple[MatmulRate, ...]
     nvme_block_size: int = 0
@@ -166,9 +170,11 @@ class MachineProfile:
                              for r in rows)
 
             kw = dict(d)
-            for key in ("host_bandwidth", "nvme_read", "nvme_write", "h2d", "d2h", "gpu_free_bytes"):
+            for key in ("host_bandwidth", "parallel_op", "nvme_read", "nvme_write", "h2d", "d2h",
+                        "gpu_free_bytes"):
                 kw[key] = fig(kw.get(key))
             kw["host_bandwidth"] = _need(kw["host_bandwidth"])
+            kw["parallel_op"] = _need(kw["parallel_op"])
             kw["optimizer"] = tuple(OptimizerRate(moments=str(r["moments"]), threads=int(r["threads"]),
                                                   rate=_need(fig(r["rate"]))) for r in d["optimizer"])
             kw["cpu_matmul"] = mm(d["cpu_matmul"])
@@ -192,6 +198,7 @@ class MachineProfile:
                 lines.append(f"  {name}: {f.value:.4g} {f.unit} -- {f.method}")
 
         line("host memory bandwidth", self.host_bandwidth)
+        line("CPU kernel launch on several threads", self.parallel_op)
         for r in self.optimizer:
             line(f"CPU optimizer, {r.moments} moments, {r.threads} thread(s)", r.rate)
         for m in self.cpu_matmul + self.gpu_matmul:
@@ -212,7 +219,7 @@ def _need(f: Optional[Figure]) -> Figure:
 
 
 def _all_figures(p: MachineProfile) -> list[Figure]:
-    out = [p.host_bandwidth] + [r.rate for r in p.optimizer] + [m.rate for m in p.cpu_matmul + p.gpu_matmul]
+    out = [p.host_bandwidth, p.parallel_op] + [r.rate for r in p.optimizer] + [m.rate for m in p.cpu_matmul + p.gpu_matmul]
     return out + [f for f in (p.nvme_read, p.nvme_write, p.h2d, p.d2h, p.gpu_free_bytes) if f is not None]
 
 
@@ -321,3 +328,17 @@ def cached_profile(measure: Callable[[], MachineProfile], nvme_path: Optional[st
     except OSError as e:  # a read-only home: the profile still serves this process
         logger.warning("offload: cannot write the machine profile to %s (%s)", path, e)
     return prof
+
+
+def this_machine_cached(nvme_path: Optional[str] = None) -> Optional[MachineProfile]:
+    """The cached profile when it is this machine's (same fingerprint), else None; never
+    measures (a training run does not stop for a minute to measure by itself)."""
+    path = cache_path()
+    if not os.path.exists(path):
+        return None
+    try:
+        prof = load_profile(path)
+    except ValueError as e:
+        logger.debug("offload: no usable machine profile: %s", e)
+        return None
+    return prof if prof.fingerprint == fingerprint(nvme_path) else None

@@ -31,6 +31,14 @@ from torch import nn
 __all__ = ["UnitShape", "ModelShape", "shape_from_dims", "shape_from_hf_config", "shape_from_model",
            "BLOCK_PASSES", "LOGIT_PASSES"]
 
+BLOCK_OPS = (10, 30)
+"""A block's non-matmul kernel launches forward and backward (besides its 4 and 8 matmuls),
+counted with torch.profiler on the engine's step of bench_train's GPT (the ops over a few
+microseconds: layer norms, adds, the q/k/v and output copies, SDPA, GELU; backward also the
+engine's gradient copies and zero fills)."""
+ROOT_OPS = (5, 12)
+"""The root's (embeddings, final norm, log-softmax and loss), besides its 1 and 2 matmuls."""
+
 BLOCK_PASSES = 30
 """Forward passes over a block's tokens x d activations outside its matmuls: layer norms
 (2 x 2), the q/k/v and output layout copies (8), attention's reads and write (4), residual
@@ -55,6 +63,13 @@ class UnitShape:
     """The unit's input (what recompute keeps instead of `act_elems`)."""
     d_model: int
     """The width its matmuls are (for the matmul rate at that size)."""
+    matmuls: int = 0
+    """Matmul calls in its forward (backward: twice as many)."""
+    ops_fwd: int = 0
+    """Other kernel launches in its forward large enough to run on several threads (norms,
+    adds, GELU, layout copies, attention): each costs the profile's `parallel_op` latency."""
+    ops_bwd: int = 0
+    """The same in its backward (the engine's gradient copies and zeroing included)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,7 @@ def _block(i: int, d: int, heads: int, kv_heads: int, ffn: int, seq: int, tokens
     act = tokens * (9 * d + 2 * ffn + (ffn if gated else 0))
     passes = BLOCK_PASSES * d + (8 * (ffn - 4 * d) if ffn != 4 * d else 0)
     return UnitShape(f"block{i}", params, float(fwd), float(tokens * passes), float(act),
-                     float(tokens * d), d)
+                     float(tokens * d), d, 7 if gated else 4, *BLOCK_OPS)  # q, k, v, o + 3; fused qkv + 3
 
 
 def shape_from_dims(*, layers: int, d_model: int, heads: int, vocab: int, seq: int, batch: int,
@@ -114,7 +129,7 @@ def shape_from_dims(*, layers: int, d_model: int, heads: int, vocab: int, seq: i
     root_params = vocab * d_model * (1 if tied else 2) + (positions or 0) * d_model + 2 * d_model
     root = UnitShape("root", root_params, float(2 * tokens * d_model * vocab),
                      float(tokens * (3 * d_model + 2 * d_model + LOGIT_PASSES * vocab)),
-                     float(tokens * (2 * d_model + 2 * vocab)), float(tokens * d_model), d_model)
+                     float(tokens * (2 * d_model + 2 * vocab)), float(tokens * d_model), d_model, 1, *ROOT_OPS)
     blocks = tuple(_block(i, d_model, heads, kv_heads or heads, f, seq, tokens, bias, gated) for i in range(layers))
     return ModelShape((root,) + blocks, tokens, recompute,
                       f"{layers} layers, d_model {d_model}, {heads} heads, vocab {vocab}, MLP {f}"
@@ -164,11 +179,13 @@ def shape_from_model(model: nn.Module, *, tokens: int, unit_modules: tuple[str, 
     unit_of = {id(rec.param): i for i, p in enumerate(plans) for rec in p.params}
     flops = [0.0] * len(plans)
     width = [0] * len(plans)
+    linears = [0] * len(plans)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             i = unit_of.get(id(m.weight))
             if i is not None:
                 flops[i] += 2.0 * tokens * m.in_features * m.out_features
+                linears[i] += 1
                 width[i] = max(width[i], min(m.in_features, m.out_features))
     units = []
     for i, p in enumerate(plans):
@@ -176,5 +193,6 @@ def shape_from_model(model: nn.Module, *, tokens: int, unit_modules: tuple[str, 
         d = width[i] or 1
         units.append(UnitShape(p.name if hasattr(p, "name") else f"unit{i}", n, flops[i],
                                float(tokens * BLOCK_PASSES * d) if flops[i] else 0.0,
-                               float(tokens * 17 * d) if flops[i] else 0.0, float(tokens * d), d))
+                               float(tokens * 17 * d) if flops[i] else 0.0, float(tokens * d), d,
+                               linears[i], *(BLOCK_OPS if linears[i] else (0, 0))))
     return ModelShape(tuple(units), tokens, recompute, f"{type(model).__name__}, {len(units)} units")

@@ -14,7 +14,7 @@ a training step. A bare parameter count is laid out as equal units through the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 from torch import nn
@@ -44,6 +44,8 @@ class UnitSpec:
     trainable: bool
     """Some parameter requires grad: autograd computes gradients for the unit (its fp32
     gradient shard covers only what an optimizer group updates: `rank_bytes`)."""
+    name: str = ""
+    """The unit's name ("" for the root), as `offload.optimizer_device_units` names it."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def spec_from_model(model: nn.Module, config: Config, optimizer: OptimizerArg, w
             params += p.numel()
             trainable += p.numel() if g != FROZEN_GROUP else 0
         layout = layout_unit(entries, world_size, param_align=align)
-        units.append(UnitSpec(layout, any(rec.param.requires_grad for rec in plan_.params)))
+        units.append(UnitSpec(layout, any(rec.param.requires_grad for rec in plan_.params), plan_.name))
     rule = config.precision.buffer_dtype  # as offload.runtime.buffers places them
     buffer_bytes = 0
     for b in model.buffers():  # each once: torch's iterator removes duplicates
@@ -162,7 +164,8 @@ class TierBytes:
 
 def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str, *,
                p_bytes: int, on_gpu: bool, pinned_budget_bytes: int,
-               transient_grads: bool = False, stage: int = 3, world_size: int = 1) -> TierBytes:
+               transient_grads: bool = False, stage: int = 3, world_size: int = 1,
+               device_units: Collection[int] = ()) -> TierBytes:
     """What `Engine.memory_bytes()` reports on `rank` between steps (after the first step).
 
     The engine's rules, unit by unit (offload/runtime/build.py `_build_units`,
@@ -191,14 +194,24 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
       optimizer state is in host memory; with an NVMe tier the new shard is written into
       the staging pool's scratch instead.
     - with any NVMe tier, the pinned staging pool ('pinned'): at most `pinned_budget_bytes`.
+    - a unit of `device_units` ([Note: the update split] in offload/storage/device_states.py):
+      its fp32 master, state tensors, gradient shard and parameter shard in compute-device
+      memory at their exact sizes ('device', on a CPU run too), never aliased, no staging.
     """
     dev = host = nvme = 0
     pk, ok = TierKind.of(param_tier).spec, TierKind.of(optimizer_tier, "offload.optimizer_tier").spec
     shard_in_host = pk.bucket == "host" or (pk.bucket == "device" and not on_gpu)
     alias_master = p_bytes == 4 and shard_in_host and not ok.on_disk
     staging = 0
-    for u in spec.units:
+    on_device = frozenset(device_units)
+    for index, u in enumerate(spec.units):
         layout = u.layout
+        if index in on_device:
+            master_b = layout.shard_master_numel(rank) * 4
+            opt = layout.shard_optimized_numel(rank)
+            dev += (0 if transient_grads else master_b) + master_b + layout.shard_numel * p_bytes
+            dev += sum(s.numel(opt) * s.dtype.itemsize for s in spec.states)
+            continue
         shard = layout.shard_numel
         opt = layout.shard_optimized_numel(rank)
         master_b = layout.shard_master_numel(rank) * 4
@@ -223,8 +236,9 @@ def rank_bytes(spec: ModelSpec, rank: int, param_tier: str, optimizer_tier: str,
                 and layout.has_optimized):
             staging = max(staging, layout.shard_master_numel(rank) * p_bytes)
     shard_on_compute = pk.bucket == "device" or (pk.bucket == "host" and not on_gpu)
-    if stage < 3 and not (world_size == 1 and shard_on_compute):
-        dev += sum(u.layout.padded_numel * p_bytes for u in spec.units)  # resident full buffers
+    if stage < 3:  # resident full buffers, but where the shard on the compute device is one
+        dev += sum(u.layout.padded_numel * p_bytes for i, u in enumerate(spec.units)
+                   if not (world_size == 1 and (shard_on_compute or i in on_device)))
     dev += spec.buffer_bytes
     host += 2 * staging
     pinned = pinned_budget_bytes if pk.on_disk or ok.on_disk else 0

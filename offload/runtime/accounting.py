@@ -3,7 +3,8 @@
 'device' (compute-device memory: parameter shards on the device tier, gathered full
 buffers, hpZ's node-local copies, buffers), 'host' (CPU memory: parameter shards on the host
 tier, fp32 master, gradient shards, Adam moments — with the optimizer on NVMe only the
-gradient shards), 'pinned' (the NVMe staging pool: every byte it holds, in use or idle; host
+gradient shards; a unit whose optimizer state is on the device counts its master, moments
+and gradient shard as 'device'), 'pinned' (the NVMe staging pool: every byte it holds, in use or idle; host
 memory too, page-locked on a GPU run), 'nvme' (swap files: parameter shards and optimizer states,
 page-rounded). On a CPU run 'device' and 'host' are both main memory, kept apart so the
 split is visible. A storage shared by two tensors counts once.
@@ -24,7 +25,7 @@ def _held(state: ShardedState) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor the engine holds in memory with the bucket it counts in; the first
     bucket a storage appears under is the one it counts in."""
     for st in state.states:
-        yield "host", st.grad
+        yield ("device" if st.on_device else "host"), st.grad  # a device unit's is device memory
     # Each store says where its bytes count: the optimizer state first, so that a parameter
     # shard that is the fp32 master itself (fp32 on the CPU) counts once, as 'host'.
     for owner in (state.optimizer_states, state.param_tier):

@@ -248,7 +248,9 @@ class BackwardTracker:
         while len(self._reduces) > keep:
             unit, red, issued = self._reduces.pop(0)
             t0 = now()
-            self.states[unit.index].grad_shard.arriving(red.wait(host_async=self.async_grads))
+            shard = self.states[unit.index].grad_shard
+            shard.wait_arrived()  # a second pass adds to what the first one's copy brings down
+            shard.arriving(red.wait(host_async=self.async_grads, label=str(unit.index)))
             t1 = now()
             self.timeline.count("collective", t1 - t0)
             self.timeline.add(f"reduce {unit.name or '<root>'}", "reduce", "comm", issued, t1, unit.index)

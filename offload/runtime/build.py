@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import offload.units.materialize as materialize
+from offload.device_runtime import runtime
 from offload.config.sections import Config
 from offload.optim.grad_shard import GradShard
 from offload.optim.kind import OptimizerKind
@@ -54,11 +55,13 @@ from offload.storage.state_store import OptimizerStates
 from offload.storage.tiers import Tier
 from offload.storage.tier_kind import TierKind, make_param_tier
 from offload.storage.placement import Placement, choose_placement, unit_bytes
+from offload.storage.device_states import DeviceOptimizerStates
+from offload.runtime.device_split import device_units
 from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.full_buffers import FullBuffers
-from offload.units.partition import ParamRecord, UnitPlan, is_leaf_module, plan_units
+from offload.units.partition import ParamRecord, UnitPlan, describe_units, is_leaf_module, plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
 __all__ = ["Built", "build"]
@@ -90,6 +93,8 @@ class Built:
     buffer_dtypes: dict[int, torch.dtype]
     placement: Placement
     """Per unit: whether its parameter shard and its optimizer state are on NVMe."""
+    units_chosen: str
+    """What the unit policy chose, in words (`describe_units`), for the initialize line."""
 
 
 def build(
@@ -129,9 +134,9 @@ def build(
         units=units, states=states, param_tier=tiers.param_tier,
         optimizer_states=tiers.optimizer_states, nvme=tiers.nvme, close_nvme=tiers.close_nvme,
         param_groups=opt_groups, decoupled_weight_decay=kind.decoupled, kind=kind,
-        transient_grads=transient_grad_shards(config, device.type == "cuda"),
+        transient_grads=transient_grad_shards(config, runtime().has_streams(device)),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
-        placement=tiers.placement,
+        placement=tiers.placement, units_chosen=describe_units(plans),
     )
 
 
@@ -148,7 +153,7 @@ def warn_one_big_unit(plans: list[UnitPlan], unit_modules: Sequence[str], leaf_m
     if 2 * sizes[big] <= total or is_leaf_module(plans[big].module, leaf_modules):
         return
     name = plans[big].name or "the root (parameters outside every unit)"
-    chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (each nn.ModuleList's blocks)"
+    chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (the model's repeated blocks)"
     message = (
         f"one unit, {name}, holds {sizes[big]:,} of the model's {total:,} parameters "
         f"({100 * sizes[big] / total:.0f} %) under {chosen}: it is gathered whole on the "
@@ -181,7 +186,8 @@ class _Tiers:
     def __init__(self, owner: object, config: Config, pg: ProcessGroupInfo, device: torch.device,
                  dtype: torch.dtype, planned: Planned, specs: tuple[StateSpec, ...]) -> None:
         off = config.offload
-        self.placement = unit_placement(config, pg, dtype, specs, [lay for _, lay, _ in planned])
+        self.placement = unit_placement(config, pg, dtype, specs, [lay for _, lay, _ in planned],
+                                        [plan.name for plan, _, _ in planned])
         uses_nvme = self.placement.any_nvme
         self.nvme: Optional[NVMeContext] = None
         self.close_nvme: Optional[Callable[[], Any]] = None
@@ -223,42 +229,60 @@ class _Tiers:
     def _param_tier(self, off: Any, device: torch.device, dtype: torch.dtype, planned: Planned) -> Any:
         """One tier per kind the placement uses; a split tier over RAM and disk when it uses two."""
         kinds = self.placement.param
-        used = sorted(set(kinds), key=lambda k: k.spec.on_disk)  # the RAM part first
-        if len(used) == 1 and not used[0].spec.on_disk:
-            return make_param_tier(used[0], device, off.pin_memory)
+        in_memory = sorted({k for k in kinds if not k.spec.on_disk}, key=lambda k: k.value)
+        ram: Optional[Tier] = None
+        if len(in_memory) == 1:
+            ram = make_param_tier(in_memory[0], device, off.pin_memory)
+        elif in_memory:  # device units' shards beside their state, the others' in host memory
+            on_device = [(i, "param") for i, k in enumerate(kinds) if k is TierKind.DEVICE]
+            ram = SplitTier(make_param_tier(TierKind.CPU, device, off.pin_memory),
+                            make_param_tier(TierKind.DEVICE, device, off.pin_memory), on_device)
+        if not any(k.spec.on_disk for k in kinds):
+            assert ram is not None, "a unit's shard is in memory or on disk"
+            return ram
         keys = [((i, "param"), lay.shard_numel, dtype)
                 for i, (_, lay, _) in enumerate(planned) if kinds[i].spec.on_disk]
         disk = make_param_tier(TierKind.of(off.param_tier), device, off.pin_memory, nvme=self.nvme, shards=keys)
-        if len(used) == 1:
+        if ram is None:
             return disk
-        ram = make_param_tier(used[0], device, off.pin_memory)
         return SplitTier(ram, disk, [k for k, _, _ in keys])
 
     def unit_tier(self, index: int) -> Any:
         """The tier unit `index`'s parameter shard lives in (a part of a split tier)."""
         tier = self.param_tier
-        return tier.tier_of((index, "param")) if isinstance(tier, SplitTier) else tier
+        while isinstance(tier, SplitTier):  # a split of RAM and disk, whose RAM may be split too
+            tier = tier.tier_of((index, "param"))
+        return tier
 
 
 def unit_placement(config: Config, pg: ProcessGroupInfo, dtype: torch.dtype,
-                   specs: tuple[StateSpec, ...], layouts: Sequence[UnitLayout]) -> Placement:
+                   specs: tuple[StateSpec, ...], layouts: Sequence[UnitLayout],
+                   names: Sequence[str] = ()) -> Placement:
     """Which units' parameter shards and optimizer states are on NVMe: all of an NVMe tier's,
-    less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM.
-    Sizes are the largest rank's (shards differ only by padding), so that every rank makes
-    the same choice."""
+    less those `offload.ram_budget_bytes` (or `ram_fraction` of the tiers' bytes) keeps in RAM;
+    and which units' optimizer state (and parameter shard) is on the compute device
+    (`offload.optimizer_device_units` / `_fraction`, optimizer_tier 'device':
+    offload/runtime/device_split.py). Sizes are the largest rank's (shards differ only by
+    padding), so that every rank makes the same choice."""
     off = config.offload
     param_tier = TierKind.of(off.param_tier)
     state_tier = TierKind.of(off.optimizer_tier, "offload.optimizer_tier")
     param_nvme, state_nvme = param_tier.spec.on_disk, state_tier.spec.on_disk
     n = len(layouts)
-    if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
-        return Placement.uniform(n, param_tier, state_tier)
     param_bytes, state_bytes = unit_bytes(layouts, dtype.itemsize, specs, pg.world_size)
+    on_device = device_units(config, state_bytes, names)
+    if state_tier is TierKind.DEVICE:
+        state_tier = TierKind.CPU  # every unit goes to the device below
+    if not (param_nvme or state_nvme) or not (off.ram_budget_bytes or off.ram_fraction):
+        return Placement.uniform(n, param_tier, state_tier).with_device_states(on_device)
+    chosen = set(on_device)  # on the device: no RAM budget spent keeping them off the disk
+    param_bytes = [0 if i in chosen else b for i, b in enumerate(param_bytes)]
+    state_bytes = [0 if i in chosen else b for i, b in enumerate(state_bytes)]
     budget = off.ram_budget_bytes
     if budget is None:
         on_disk = (sum(param_bytes) if param_nvme else 0) + (sum(state_bytes) if state_nvme else 0)
         budget = int(float(off.ram_fraction or 0.0) * on_disk)
-    return choose_placement(param_bytes, state_bytes, param_tier, state_tier, budget)
+    return choose_placement(param_bytes, state_bytes, param_tier, state_tier, budget).with_device_states(on_device)
 
 
 def swap_path(config: Config) -> str:
@@ -348,7 +372,7 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     states: list[UnitOptimizerState] = []
     records: list[list[ParamRecord]] = []
     cpu = torch.device("cpu")
-    transient = transient_grad_shards(config, device.type == "cuda")
+    transient = transient_grad_shards(config, runtime().has_streams(device))
     # [Note: reused full buffers] in offload/units/full_buffers.py: kept up to what can be
     # live at once anyway (two units, what prefetch reads ahead and what it keeps gathered)
     largest = max((lay.padded_numel for _, lay, _ in planned), default=0) * dtype.itemsize
@@ -357,10 +381,13 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)
         on_nvme = tiers.placement.state[index].spec.on_disk
+        on_device = tiers.placement.state[index] is TierKind.DEVICE  # [Note: the update split]
         # fp32 compute on the CPU: the parameter shard and the fp32 master are the same bytes,
-        # so the optimizer updates the parameters in place and nothing is copied.
+        # so the optimizer updates the parameters in place and nothing is copied. (Not for a
+        # device unit: on a CPU run it takes the path a GPU run takes.)
         alias_master = (
             dtype == torch.float32 and param_tier.addressable and param_tier.device == cpu and not on_nvme
+            and not on_device
         )
         # [Note: frozen parameters cost their shard only]: master and gradient shard cover
         # the shard up to its frozen parameters, the moments its optimized prefix.
@@ -368,7 +395,8 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
         n_opt = layout.shard_optimized_numel(pg.rank)
         # On NVMe the master exists in host memory only while the unit is initialized
         # (allocated on its first value, written out and dropped when complete).
-        master = None if on_nvme else host_state_zeros(n_master, torch.float32)
+        master = (None if on_nvme else torch.zeros(n_master, dtype=torch.float32, device=device) if on_device
+                  else host_state_zeros(n_master, torch.float32))
         if alias_master:
             shard = host_state_zeros(layout.shard_numel, torch.float32)
             param_tier.adopt((index, "param"), shard)
@@ -378,7 +406,11 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
                         resident=config.zero_stage < 3, all_reduce_grads=config.zero_stage == 1,
                         full_buffers=full_buffers)
         grad_numel = n_master
-        if transient:
+        if on_device:  # the reduce-scatter's target on the device: no copy down
+            grad = torch.empty(grad_numel, dtype=torch.float32, device=device)
+            if not transient:
+                grad.zero_()
+        elif transient:
             # Sized but holding no memory until its unit's reduce-scatter (and again none
             # after the unit's update during backward): see transient_grad_shards.
             grad = torch.empty(grad_numel, dtype=torch.float32)
@@ -388,12 +420,15 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
                     else torch.zeros(grad_numel, dtype=torch.float32))
         states.append(UnitOptimizerState(
             unit=unit, master=master, grad_shard=GradShard(grad, len(layout.slots), released=transient),
-            moments=None if on_nvme else {s.name: _fresh_state(s, n_opt) for s in specs},
-            slot_steps=[0] * len(layout.slots), n_optimized=n_opt,
+            moments=None if on_nvme else {s.name: _fresh_state(s, n_opt, device if on_device else None)
+                                          for s in specs},
+            slot_steps=[0] * len(layout.slots), n_optimized=n_opt, on_device=on_device,
         ))
         units.append(unit)
         records.append(recs)
-    host = HostOptimizerStates(states, staging=None if tiers.nvme is None else tiers.nvme.staging)
+    staging = None if tiers.nvme is None else tiers.nvme.staging
+    host = (DeviceOptimizerStates(states, tiers.placement.state_on_device, staging)
+            if any(tiers.placement.state_on_device) else HostOptimizerStates(states, staging=staging))
     if tiers.nvme_states is None:
         tiers.optimizer_states = host
     elif not all(tiers.placement.state_on_nvme):
@@ -412,9 +447,11 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     return units, states
 
 
-def _fresh_state(spec: StateSpec, n_opt: int) -> torch.Tensor:
-    """A host state tensor over `n_opt` optimized elements, at its zero (`StateSpec.zero`)."""
-    t = host_state_zeros(spec.numel(n_opt), spec.dtype)
+def _fresh_state(spec: StateSpec, n_opt: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A state tensor over `n_opt` optimized elements, at its zero (`StateSpec.zero`): in host
+    memory, or on `device` (the compute device, for a device unit)."""
+    t = (host_state_zeros(spec.numel(n_opt), spec.dtype) if device is None
+         else torch.zeros(spec.numel(n_opt), dtype=spec.dtype, device=device))
     return t.fill_(spec.zero) if spec.zero else t
 
 

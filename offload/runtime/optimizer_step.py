@@ -69,10 +69,11 @@ from typing import Any, Optional
 
 import torch
 
+from offload.device_runtime import runtime
 from offload.runtime.agreement import agree_on_step, agree_on_unit
 from offload.runtime.loss_scaler import LossScaler
 from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
-from offload.runtime.optimizer_worker import OptimizerWorker
+from offload.runtime.optimizer_worker import OptimizerWorker, uses_worker
 from offload.runtime.step_scale import Outcome, StepScale, needs_norm, step_scale
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.update_mode import (Eligibility, Pattern, Site, learn, observed, second_pass_message,
@@ -298,17 +299,17 @@ class StepPolicy:
                 "loops, or call engine.step() after each engine.backward()"
             )
 
-    @property
-    def async_updates(self) -> bool:
-        """Updates during this backward run on the worker (gradients may come down
-        asynchronously: `GradShard.ready`)."""
-        return self.worker is not None and self.mode is StepMode.IN_BACKWARD
+    def updates_at_step(self) -> bool:
+        """Whether `apply` has units left to update (not all ran during backward)."""
+        return not self.optimizer.work_units <= self.updated
 
     def settle(self) -> Optional[BaseException]:
-        """Wait for the updates the worker runs, and for their uploads to the device; returns
-        the error of one that failed (the step is then part-applied), or None. Called before
-        anything reads or writes what an update touches."""
+        """Wait for the updates the worker runs, the gradients' copies down from the device,
+        and the uploads to it; returns the error of one that failed (the step is then
+        part-applied), or None. Called before anything reads or writes what an update touches."""
         err = self.worker.settle() if self.worker is not None else None
+        for st in self.states:  # gradients still coming down (a backward without updates)
+            st.grad_shard.wait_arrived()
         self.optimizer.settle_uploads()
         return err
 
@@ -345,12 +346,12 @@ class StepPolicy:
         st.grad_shard.wait_arrived()  # its gradient shard may still be coming down from the GPU
         io0 = self._io_wait()
         t0 = now()
-        sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
-        if sq is not None:
-            self._sum_sq[unit.index] = sq
-        updated = self.optimizer.update_unit(
-            unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps)
-        )
+        with runtime().host_work(f"adam {unit.index}"):
+            sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
+            if sq is not None:
+                self._sum_sq[unit.index] = sq
+            updated = self.optimizer.update_unit(
+                unit.index, grad_scale=1.0 / (self.scaler.scale * self.gradient_accumulation_steps))
         t1 = now()
         if self.transient_grads:
             st.grad_shard.release()  # consumed; re-acquired by the next step's reduce-scatter
@@ -477,7 +478,7 @@ class StepPolicy:
             if part is None:
                 part = _sum_of_squares(st)
             if part is not None:
-                sq += part
+                sq += part.to(sq.device)  # a device unit's sum stays on the device until here
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
 
     def _nonfinite_units(self) -> str:
@@ -578,16 +579,6 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
-
-
-def uses_worker(config: Config, device: torch.device, nvme: bool) -> bool:
-    """`prefetch.optimizer_worker`: "auto" runs the updates during backward on the worker
-    with a CUDA compute device and no NVMe tier (whose stores and reads stay on the engine's
-    thread), and on autograd's thread on the CPU, where both compete for the same cores."""
-    choice = config.prefetch.optimizer_worker
-    if choice == "auto":
-        return device.type == "cuda" and not nvme
-    return choice == "on"
 
 
 def _sum_of_squares(st: Any) -> Optional[torch.Tensor]:

@@ -24,7 +24,12 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["OptimizerWorker", "WorkerState"]
+import torch
+
+from offload.config.sections import Config
+from offload.device_runtime import runtime
+
+__all__ = ["OptimizerWorker", "WorkerState", "uses_worker"]
 
 
 class WorkerState(enum.Enum):
@@ -50,6 +55,8 @@ class OptimizerWorker:
         self._pending = 0
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._done: Any = None
+        """The device runtime's token after the last job (offload/device_runtime.py)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -72,7 +79,7 @@ class OptimizerWorker:
             if self._closed:
                 raise RuntimeError("the optimizer worker is closed")
             self._pending += 1
-        self._queue.put(job)
+        self._queue.put((job, runtime().handoff()))
 
     def settle(self) -> Optional[BaseException]:
         """Wait until every submitted job ran; return (and forget) the first error a job
@@ -81,6 +88,8 @@ class OptimizerWorker:
             while self._pending:
                 self._idle.wait()
             err, self._error = self._error, None
+            done = self._done
+        runtime().resume(done)  # this thread goes on after the last job
         return err
 
     def close(self) -> None:
@@ -95,20 +104,34 @@ class OptimizerWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
                 return
+            job, token = item
             try:
                 with self._lock:
                     skip = self._error is not None
                 if not skip:
+                    runtime().resume(token)  # it starts after its submission
                     job()
             except BaseException as exc:  # handed to the engine's thread by settle()
                 with self._lock:
                     if self._error is None:
                         self._error = exc
             finally:
+                done = runtime().handoff()
                 with self._idle:
+                    self._done = done
                     self._pending -= 1
                     if not self._pending:
                         self._idle.notify_all()
+
+
+def uses_worker(config: Config, device: torch.device, nvme: bool) -> bool:
+    """`prefetch.optimizer_worker`: "auto" runs the updates during backward on the worker
+    with a CUDA compute device and no NVMe tier (whose stores and reads stay on the engine's
+    thread), and on autograd's thread on the CPU, where both compete for the same cores."""
+    choice = config.prefetch.optimizer_worker
+    if choice == "auto":
+        return runtime().has_streams(device) and not nvme
+    return choice == "on"

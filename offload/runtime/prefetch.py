@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import enum
 
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from offload.device_runtime import runtime
 from offload.devices import StreamPurpose, compute_stream_event, side_stream
 from offload.runtime.timeline import Timeline, now
 from offload.storage.tiers import Fetch, Tier
@@ -63,7 +64,7 @@ class Prefetcher:
         self.timeline = timeline
         self.pending: dict[int, _Entry] = {}
         self._write_through: frozenset[int] = frozenset()
-        self._stream: Optional[torch.cuda.Stream] = None
+        self._stream: Optional[Any] = None
         self.modes = [FetchMode.DIRECT if unit.reads_into_full
                       else _mode_of(unit.tier, unit.device) for unit in units]
         """Per unit, from its own tier (per-unit placement: some in RAM, some on NVMe)."""
@@ -259,18 +260,17 @@ class _CudaCopy:
 
     __slots__ = ("unit", "event", "local")
 
-    def __init__(self, unit: FlatUnit, stream: torch.cuda.Stream) -> None:
+    def __init__(self, unit: FlatUnit, stream: Any) -> None:
         self.unit = unit
         unit.alloc_full()
-        compute = torch.cuda.current_stream(unit.device)
-        stream.wait_stream(compute)
+        rt = runtime()
+        rt.wait_stream(stream, rt.current_stream(unit.device))
         n = unit.layout.shard_numel
         rank = unit.pg.rank
         self.local = unit.full[rank * n : (rank + 1) * n]
-        with torch.cuda.stream(stream):
+        with rt.stream(stream):
             unit.tier.fetch(unit.key, self.local)  # pinned host -> device, asynchronous
-            self.event = torch.cuda.Event()
-            self.event.record(stream)
+            self.event = rt.record(stream, f"h2d {unit.index}")
 
     label = "copy"
     fresh = False
@@ -284,7 +284,7 @@ class _CudaCopy:
 
     def done(self) -> bool:
         """Whether the copy has finished on its stream (never blocks)."""
-        return self.event.query()
+        return runtime().query(self.event)
 
     def wait(self) -> None:
         """The shard is in the unit's slot once the compute stream has waited for the copy."""
@@ -292,9 +292,10 @@ class _CudaCopy:
         return None
 
     def ready_on_compute_stream(self) -> None:
-        torch.cuda.current_stream(self.unit.device).wait_event(self.event)
+        rt = runtime()
+        rt.wait_event(rt.current_stream(self.unit.device), self.event)
 
-    def release_after(self, event: Optional[torch.cuda.Event]) -> None:
+    def release_after(self, event: Optional[Any]) -> None:
         self.release()  # no host buffer: nothing a later copy reads
 
     def release(self) -> None:
@@ -340,5 +341,5 @@ class _DirectRead:
         if self.unit.is_sharded:
             self.unit.free()
 
-    def release_after(self, event: Optional[torch.cuda.Event]) -> None:
+    def release_after(self, event: Optional[Any]) -> None:
         self.release()  # no host buffer: nothing a later copy reads

@@ -204,12 +204,12 @@ class StepReporter:
         params = sum(u.layout.numel for u in s.units)
         moments = c.optimizer.moments_dtype
         logger.info(
-            "initialized%s: %d units, %s parameters, world size %d, compute %s on %s | "
+            "initialized%s: %d units (%s), %s parameters, world size %d, compute %s on %s | "
             "parameters on %s, optimizer state (fp32 master, %s moments) on %s | memory %s | "
             "prefetch %s ahead, keep %s | optimizer %s | %s%s",
-            _rank_tag(s), len(s.units), format_count(params), s.pg.world.world_size,
+            _rank_tag(s), len(s.units), s.units_chosen, format_count(params), s.pg.world.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
-            c.offload.optimizer_tier, _memory_text(memory_bytes(s)),
+            _state_tier_text(s), _memory_text(memory_bytes(s)),
             format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
             _optimizer_placement(c, s.dtype), _optimizer_threads(s.optimizer, c.cpu_adam_threads),
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
@@ -343,3 +343,16 @@ def _optimizer_placement(config: Config, dtype: torch.dtype) -> str:
     if dtype == torch.float16:
         return "step in engine.step() (fp16's overflow check needs every gradient first)"
     return "updates during backward (prefetch.optimizer_in_backward)"
+
+
+def _state_tier_text(s: ShardedState) -> str:
+    """Where the optimizer state is: its tier, and the units on the compute device, updated
+    there ([Note: the update split] in offload/storage/device_states.py)."""
+    on = [st.unit.name or "<root>" for st in s.states if st.on_device]
+    if not on:
+        return s.config.offload.optimizer_tier
+    if len(on) == len(s.states):
+        return f"the compute device (all {len(on)} units, updated there)"
+    rest = s.config.offload.optimizer_tier
+    shown = ", ".join(on[:3]) + (f", ... {on[-1]}" if len(on) > 3 else "")
+    return f"{rest}, and for {len(on)}/{len(s.states)} units ({shown}) on the compute device, updated there"

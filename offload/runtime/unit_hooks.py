@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload.device_runtime import runtime
 from offload.runtime.activations import ActivationSettings, enter_engine, leave_engine
 from offload.runtime.backward import BackwardTracker
 from offload.runtime.gather import Gatherer
@@ -126,9 +127,9 @@ class UnitHooks:
             if policy.start_backward() is StepMode.IN_BACKWARD:
                 # The last units updated are the next forward's first: keep their new shards.
                 self.gather.keep_new_shards_for_next_iteration()
-            # With the optimizer worker, gradient shards come down from the GPU on a side
-            # stream; the worker waits for each (offload/runtime/optimizer_worker.py).
-            tracker.copy_grads_async(policy.async_updates and self.device.type == "cuda")
+            # Gradient shards come down from the GPU on a side stream; their reader waits for
+            # each: the optimizer worker, or the step (`StepPolicy.settle`).
+            tracker.copy_grads_async(runtime().has_streams(self.device))
             tracker.set_boundary(policy.is_boundary())
         self.gather.use(unit, Phase.BACKWARD)
         tracker.entered(unit)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from offload.device_runtime import runtime
+
 if TYPE_CHECKING:  # the seam's types; imported for the checker only (runtime/optim import this module)
     from offload.config.sections import Config
     from offload.optim.sharded import ShardedOptimizer, UnitOptimizerState
@@ -101,6 +103,8 @@ class ShardedState:
     placement: "Placement"
     """Per unit, the tier kind of its parameter shard and of its optimizer state (what
     `initialize` built: offload/storage/placement.py)."""
+    units_chosen: str = ""
+    """What the unit policy chose, in words (`offload.units.partition.describe_units`)."""
     state_dict_index: list[StateDictEntry] = field(default_factory=list)
     """For each key of `module.state_dict()`, in order: what holds its value."""
     buffer_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
@@ -114,5 +118,6 @@ class ShardedState:
     def sync_device(self) -> None:
         """Wait for the compute device's queued work (host-to-device copies read host shards
         that a load is about to rewrite)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        rt = runtime()
+        if rt.has_streams(self.device):
+            rt.synchronize(rt.current_stream(self.device))

@@ -63,10 +63,11 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from offload.device_runtime import runtime
 from offload.storage.io import AIOHandle, BufferPool, Completion
 from offload.storage.swap import SwapDirectory
 
@@ -138,14 +139,14 @@ class EventDone:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: "torch.cuda.Event") -> None:
+    def __init__(self, event: Any) -> None:
         self.event = event
 
     def done(self) -> bool:
-        return bool(self.event.query())
+        return runtime().query(self.event)
 
     def wait(self) -> None:
-        self.event.synchronize()
+        runtime().synchronize(self.event)
 
 
 class IOStats:

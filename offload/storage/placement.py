@@ -32,7 +32,8 @@ from offload.sizes import align_up
 from offload.storage.state_layout import StateSpec, state_layout
 from offload.storage.tier_kind import TierKind
 
-__all__ = ["PARAM_TRAFFIC", "STATE_TRAFFIC", "Placement", "choose_placement", "unit_bytes"]
+__all__ = ["PARAM_TRAFFIC", "STATE_TRAFFIC", "Placement", "choose_placement", "unit_bytes",
+           "device_units_by_count", "device_units_by_bytes"]
 
 PARAM_TRAFFIC = 3
 """Bytes of disk traffic per step per byte of parameter shard on NVMe (2 reads, 1 write)."""
@@ -62,6 +63,20 @@ class Placement:
     def state_on_nvme(self) -> tuple[bool, ...]:
         """Per unit: whether its optimizer state is on disk."""
         return tuple(k.spec.on_disk for k in self.state)
+
+    @property
+    def state_on_device(self) -> tuple[bool, ...]:
+        """Per unit: whether its fp32 master and optimizer state live on the compute device
+        (and its update runs there: [Note: the update split] in offload/storage/device_states.py)."""
+        return tuple(k is TierKind.DEVICE for k in self.state)
+
+    def with_device_states(self, indices: Sequence[int]) -> "Placement":
+        """These units' optimizer state (and, so that neither crosses the bus for them, their
+        parameter shard) on the compute device; the others as they are."""
+        chosen = set(indices)
+        return Placement(
+            tuple(TierKind.DEVICE if i in chosen else k for i, k in enumerate(self.param)),
+            tuple(TierKind.DEVICE if i in chosen else k for i, k in enumerate(self.state)))
 
     @property
     def any_nvme(self) -> bool:
@@ -96,7 +111,11 @@ class Placement:
                 text += f" (units {_ranges(ram)})"
             return text
 
-        return f"parameters: {part(self.param_on_nvme)}; optimizer state: {part(self.state_on_nvme)}"
+        text = f"parameters: {part(self.param_on_nvme)}; optimizer state: {part(self.state_on_nvme)}"
+        on_device = [i for i, on in enumerate(self.state_on_device) if on]
+        if on_device:
+            text += f"; optimizer state on the device: {len(on_device)}/{len(self.state)} units (units {_ranges(on_device)})"
+        return text
 
 
 class ShardSizes(Protocol):
@@ -152,6 +171,27 @@ def choose_placement(
             kinds[i] = ram
             left -= size
     return Placement(tuple(param), tuple(state))
+
+
+def device_units_by_count(n_units: int, count: int) -> list[int]:
+    """The units a count puts on the device: the first `count` in index order, the root (0)
+    and the first blocks. Backward reduces them last and the next forward needs them first,
+    so their CPU updates are the ones nothing hides ([Note: the update split])."""
+    return list(range(min(max(count, 0), n_units)))
+
+
+def device_units_by_bytes(state_bytes: Sequence[int], budget_bytes: int) -> list[int]:
+    """The units whose optimizer state fits in `budget_bytes` of device memory, taken in the
+    same order as `device_units_by_count`; one that does not fit is skipped and the fill goes
+    on with the next (a large root does not keep the first blocks off the device)."""
+    left, out = int(budget_bytes), list[int]()
+    if left <= 0:
+        return out
+    for i, b in enumerate(state_bytes):
+        if int(b) <= left:
+            out.append(i)
+            left -= int(b)
+    return out
 
 
 def _ranges(indices: list[int]) -> str:

@@ -29,7 +29,7 @@ class SplitOptimizerStates(OptimizerStates):
     resident = False
     """Not every unit's state is in host memory: ask `resident_at(index)`."""
 
-    def __init__(self, host: HostOptimizerStates, nvme: NVMeOptimizerStates,
+    def __init__(self, host: HostOptimizerStates, nvme: NVMeOptimizerStates,  # host: or DeviceOptimizerStates
                  on_nvme: Sequence[bool]) -> None:
         self.host = host
         self.nvme = nvme
@@ -39,7 +39,7 @@ class SplitOptimizerStates(OptimizerStates):
         return self.nvme if self.on_nvme[index] else self.host
 
     def resident_at(self, index: int) -> bool:
-        return not self.on_nvme[index]
+        return not self.on_nvme[index] and self.host.resident_at(index)  # (a device unit's: not)
 
     # what the checkpoint loader asks of the NVMe store (its slots; host units have none)
     @property
@@ -77,9 +77,7 @@ class SplitOptimizerStates(OptimizerStates):
         self._of(index).abandon(index, t)
 
     def checkout_overwrite(self, index: int) -> UnitTensors:
-        if not self.on_nvme[index]:
-            raise ValueError(f"unit {index}'s optimizer state is in host memory: fill it in place")
-        return self.nvme.checkout_overwrite(index)
+        return self._of(index).checkout_overwrite(index)  # the host store refuses: fill it in place
 
     def adopt(self, index: int, t: UnitTensors, path: str, file_offsets: dict[str, int]) -> None:
         if not self.on_nvme[index]:

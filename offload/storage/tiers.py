@@ -44,6 +44,7 @@ from typing import Any, TYPE_CHECKING, Hashable, Iterable, Iterator, Optional, P
 
 import torch
 
+from offload.device_runtime import runtime
 from offload.devices import same_device
 from offload.storage.pinned import pinned_empty
 
@@ -206,13 +207,13 @@ class MemoryTier(Tier, abc.ABC):
     def fetch(self, key: Hashable, out: torch.Tensor) -> Handle:
         src = self._shards[key]
         _check_same_size(key, src, out)
-        out.copy_(src, non_blocking=_may_be_async(src, out))
+        runtime().copy(out, src, non_blocking=_may_be_async(src, out))
         return None
 
     def store(self, key: Hashable, src: torch.Tensor) -> Handle:
         dst = self._shards[key]
         _check_same_size(key, dst, src)
-        dst.copy_(src, non_blocking=_may_be_async(src, dst))
+        runtime().copy(dst, src, non_blocking=_may_be_async(src, dst))
         return None
 
     def store_prefix(self, key: Hashable, src: torch.Tensor) -> Handle:
@@ -224,7 +225,7 @@ class MemoryTier(Tier, abc.ABC):
         if src.numel() == dst.numel():
             return self.store(key, src)
         check_prefix(key, dst, src)
-        dst[: src.numel()].copy_(src, non_blocking=_may_be_async(src, dst))
+        runtime().copy(dst[: src.numel()], src, non_blocking=_may_be_async(src, dst))
         return None
 
     def free(self, key: Hashable) -> None:
@@ -351,4 +352,4 @@ def _may_be_async(src: torch.Tensor, dst: torch.Tensor) -> bool:
     # synchronous.
     if src.device.type == "cuda" and dst.device.type == "cpu":
         return False  # the host reads the result right after; keep it synchronous
-    return src.device.type == "cpu" and src.is_pinned() and dst.device.type == "cuda"
+    return runtime().async_copy(src, dst)

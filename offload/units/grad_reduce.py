@@ -5,11 +5,12 @@ copy down on a side stream (`_copy_down`). Split from shard.py, which holds the 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from offload.device_runtime import runtime
 from offload.devices import StreamPurpose, side_stream
 from offload.units.groups import ProcessGroupInfo
 from offload.units.hybrid import average_across_replicas
@@ -60,11 +61,12 @@ class GradReduce:
         self._across = across
         """HSDP's average across replicas before that; None otherwise."""
 
-    def wait(self, host_async: bool = False) -> Optional[torch.cuda.Event]:
+    def wait(self, host_async: bool = False, label: str = "") -> Optional[Any]:
         """Complete the reduction into the gradient shard. Returns None when the shard holds
         it now; with `host_async`, a GPU result bound for a pinned host shard is copied on a
         side stream instead, and the returned CUDA event marks when the shard holds it (the
-        optimizer worker waits for it; nothing else reads the shard before)."""
+        optimizer worker waits for it; nothing else reads the shard before). `label` names
+        the unit for the device runtime (offload/device_runtime.py)."""
         if self._work is not None:
             work, self._work = self._work, None
             work.wait()
@@ -80,13 +82,13 @@ class GradReduce:
         if self._finish is not None:
             (out, grad_shard, accumulate), self._finish = self._finish, None
             out = out[: grad_shard.numel()]
-            if (host_async and not accumulate and out.is_cuda and grad_shard.device.type == "cpu"
-                    and grad_shard.is_pinned()):
-                event = _copy_down(out, grad_shard)
+            rt = runtime()
+            if (host_async and not accumulate and rt.has_streams(out.device) and rt.is_pinned(grad_shard)):
+                event = _copy_down(out, grad_shard, label)
             elif accumulate:
                 grad_shard.add_(out.to(grad_shard.device))
             else:
-                grad_shard.copy_(out)
+                rt.copy(grad_shard, out, non_blocking=False)
             if out.untyped_storage().data_ptr() != grad_shard.untyped_storage().data_ptr():
                 free_storage(out)  # a temporary (a copy down in flight keeps its block: record_stream)
         if flat is not None:
@@ -96,16 +98,16 @@ class GradReduce:
         return event
 
 
-def _copy_down(src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+def _copy_down(src: torch.Tensor, dst: torch.Tensor, label: str) -> Any:
     """`dst.copy_(src)` from the GPU into pinned host memory on a side stream, after the
-    compute stream's work so far; returns the event recorded after the copy. `src` is kept
-    from reuse until the copy has read it (`record_stream`)."""
+    compute stream's work so far (the unit's backward and reduce); returns the event recorded
+    after the copy. `src` is kept from reuse until the copy has read it (`record_stream`)."""
+    rt = runtime()
     device = src.device
     stream = side_stream(device, StreamPurpose.D2H)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    src.record_stream(stream)
+    rt.wait_stream(stream, rt.current_stream(device))
+    with rt.stream(stream):
+        rt.copy(dst, src, non_blocking=True)
+        event = rt.record(stream, f"d2h {label}")
+    rt.keep_for(src, stream)
     return event

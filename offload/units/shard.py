@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.device_runtime import runtime
 from offload.devices import same_device
 import offload.units.collectives as _dist
 from offload.storage.nvme import wait_quietly
@@ -492,7 +493,8 @@ class FlatUnit:
         # torch's own getter: per parameter per micro-batch, past UnitParameter's check.
         grads = [_GRAD_OF(p) for p in params]
         have = [g is not None for g in grads]
-        if self.pg.world_size == 1 and same_device(grad_shard.device, self.device):
+        on_host = not runtime().has_streams(self.device)  # else the shard is host memory beside a GPU
+        if self.pg.world_size == 1 and on_host and same_device(grad_shard.device, self.device):
             # One pass per gradient straight into the shard (compute on the CPU): copy on a
             # step's first micro-batch, add on later ones. Alignment gaps are never written
             # and stay zero from allocation.
@@ -518,7 +520,8 @@ class FlatUnit:
                 p.grad = None
         # The collective's output is the whole shard; the gradient shard may be only its
         # prefix (a unit with frozen parameters): then it is copied out on completion.
-        direct = (not accumulate and same_device(grad_shard.device, self._coll_device)
+        direct = (not accumulate and not runtime().has_streams(self._coll_device)
+                  and same_device(grad_shard.device, self._coll_device)
                   and grad_shard.numel() == self.layout.shard_numel)
         if self.pg.world_size == 1 and not direct:
             # No collective: the flat buffer is the result, copied out from where it is (no
