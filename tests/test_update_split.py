@@ -296,6 +296,17 @@ def test_deepspeed_optimizer_device_none_keeps_the_state_on_the_device():
         assert cfg.offload.optimizer_tier == "device", param
         assert cfg.offload.param_tier == param
     assert _ds({"device": "none"}).offload.optimizer_tier == "device"  # said explicitly
+    # and the DeepSpeed look-alike engine says so, and trains with the state on the device
+    import offload.compat.deepspeed as deepspeed
+
+    ds_cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "none"}}}
+    model = _seeded()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    assert engine.zero_offload_optimizer() is False and engine.zero_offload_param() is True
+    assert all(st.on_device for st in engine.engine.states)
+    engine.engine.close()
     plain = _ds()  # no offload section at all: the CPU optimizer, with a note saying how
     assert plain.offload.optimizer_tier == "cpu"
     assert any("offload_optimizer.device to 'none'" in n for n in plain.notes)
