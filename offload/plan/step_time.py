@@ -23,8 +23,9 @@ copies and the optimizer share one resource, the CPU's cores, and only NVMe runs
 
 [Note: the times of one unit]
 forward = fwd FLOPs / matmul rate(dtype, d_model) + fwd traffic x dtype bytes / host
-bandwidth + UNIT_OVERHEAD_S (the engine's hooks and Python per unit); backward = 2 x that
-(+ forward with recompute); gradient copy = params x (dtype + 4) B / host bandwidth (CPU) or
+bandwidth + launches x the profile's launch latency x COLD_LAUNCH_FRACTION (a CPU run) +
+UNIT_OVERHEAD_S (the engine's hooks and Python per unit); backward = 2 x the FLOPs and
+traffic with the backward's launches (+ forward with recompute); gradient copy = params x (dtype + 4) B / host bandwidth (CPU) or
 params x 4 B / D2H (GPU); update = trainable elements / optimizer rate(moments, threads);
 NVMe read or write = bytes / its measured GB/s (reads and writes share the one queue).
 """
@@ -39,11 +40,19 @@ from offload.plan.profile import MachineProfile
 from offload.plan.shapes import ModelShape
 
 __all__ = ["StepSettings", "StepPrediction", "predict_step", "UpdateTimes", "update_times",
-           "UNIT_OVERHEAD_S", "STATE_BYTES"]
+           "UNIT_OVERHEAD_S", "STATE_BYTES", "COLD_LAUNCH_FRACTION"]
 
 UNIT_OVERHEAD_S = 0.5e-3
 """Per unit and pass, the engine's own time beside the kernels (hooks, gathers' bookkeeping,
 Python), measured on this project's CPU machine: [Note: calibration] in docs/plan.md."""
+
+COLD_LAUNCH_FRACTION = 0.7
+"""Of a step's kernel launches, the share that costs the profile's `parallel_op` (measured
+after a pause, the threads idle); the rest follow the previous kernel closely enough that its
+threads are still spinning. Fitted on this project's CPU machine (docs/plan.md, "Calibration"):
+the median predicted/measured step of bench_train's engine contenders at two sizes over two
+interleaved rounds was 1.21-1.35 at 1.0, 0.96-1.02 at 0.7 (0.86 for one contender); a third
+round, not used for the fit, checks it."""
 
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 8 / 256}
 """Optimizer state bytes per element beside the 4 B master (Adam's two moments)."""
@@ -177,7 +186,8 @@ def predict_step(shape: ModelShape, profile: MachineProfile, s: StepSettings) ->
     copy_up, copy_down = ("h2d", "d2h") if s.on_gpu else ("cpu", "cpu")
     opt_r = ("optimizer" if s.worker else "optimizer_autograd") if s.on_gpu else "cpu"
 
-    launch = 0.0 if s.on_gpu else profile.parallel_op.value  # GPU launches overlap its work
+    # GPU launches overlap its work; on the CPU see COLD_LAUNCH_FRACTION
+    launch = 0.0 if s.on_gpu else profile.parallel_op.value * COLD_LAUNCH_FRACTION
 
     def fwd_s(u: Any) -> float:
         rate = profile.matmul_rate(device, compute_dtype, u.d_model)
