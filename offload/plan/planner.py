@@ -232,8 +232,7 @@ class Plan:
         for e in self.estimates:
             gpu, r, n = m.gpus_per_node, e.per_rank, e.per_node  # no GPU: device bytes are host bytes (_problems)
             sizes = ((r.device,) if gpu else ()) + (e.working_device_bytes, r.host + (0 if gpu else r.device), r.pinned, r.nvme,
-                     n.host_total + (0 if gpu else n.device + e.working_device_bytes * m.local_ranks), n.nvme,
-                     e.disk_bytes_per_step)
+                     n.host_total + (0 if gpu else n.device + e.working_device_bytes * m.local_ranks), n.nvme, e.disk_bytes_per_step)
             times = []
             if timed:
                 pr = e.predicted
