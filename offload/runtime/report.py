@@ -204,10 +204,10 @@ class StepReporter:
         params = sum(u.layout.numel for u in s.units)
         moments = c.optimizer.moments_dtype
         logger.info(
-            "initialized%s: %d units, %s parameters, world size %d, compute %s on %s | "
+            "initialized%s: %d units (%s), %s parameters, world size %d, compute %s on %s | "
             "parameters on %s, optimizer state (fp32 master, %s moments) on %s | memory %s | "
             "prefetch %s ahead, keep %s | optimizer %s | %s%s",
-            _rank_tag(s), len(s.units), format_count(params), s.pg.world.world_size,
+            _rank_tag(s), len(s.units), s.units_chosen, format_count(params), s.pg.world.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
             _state_tier_text(s), _memory_text(memory_bytes(s)),
             format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
