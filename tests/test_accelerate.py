@@ -118,6 +118,25 @@ def test_the_loop_matches_plain_accelerate_world_size_2() -> None:
         check(runs, f"world size 2, rank {rank}")
 
 
+def _without_cpu_flag(rank: int, world_size: int) -> str:
+    from offload.integrations.accelerate import prepare
+
+    acc = accelerate.Accelerator()  # no cpu=True: on a machine without GPUs Accelerate sees one process
+    try:
+        prepare(acc, tiny_model("llama"), config={"compute_device": "cpu"})
+    except ValueError as exc:
+        return str(exc)
+    return "prepared"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only launch (a GPU machine distributes by itself)")
+def test_a_launch_accelerate_does_not_see_is_refused_before_training() -> None:
+    """torchrun, 2 processes, Accelerator() without cpu=True: each rank would train on all
+    of the data while the engine averaged their gradients."""
+    for msg in run_distributed(_without_cpu_flag, 2, init_group=False):
+        assert "an Accelerator of 1 process(es) in a launch of 2" in msg and "Accelerator(cpu=True)" in msg, msg
+
+
 def test_save_state_and_load_state_continue_bit_for_bit(tmp_path) -> None:
     whole = run("offload", save_at=2, outdir=str(tmp_path / "state"))
     assert os.path.isfile(tmp_path / "state" / "latest")  # the engine's checkpoint, beside Accelerate's

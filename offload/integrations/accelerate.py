@@ -164,6 +164,15 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: Optional[torch.
             return _FollowSchedule(scheduler, source, engine_optimizer)
 
     engine = offload.initialize(model, cfg, optimizer=optimizer, lr_scheduler=follow)
+    if engine.world_size != accelerator.num_processes:
+        # torchrun on a machine without GPUs and Accelerator() without cpu=True: Accelerate
+        # sees one process and gives each rank the whole data, while the engine averages
+        # the ranks' gradients
+        engine.close()
+        raise ValueError(_refuse(
+            f"an Accelerator of {accelerator.num_processes} process(es) in a launch of {engine.world_size}",
+            "on a machine without GPUs use Accelerator(cpu=True) (Accelerate distributes CPU "
+            "processes only then); otherwise check the launcher's environment"))
     model._is_accelerate_prepared = True  # type: ignore[assignment]  # a later prepare() leaves it
     _wire(accelerator, engine)
     out: list[Any] = [model]
