@@ -19,7 +19,9 @@ that memory use stays at one set of states:
   ours 8bit         adam8bit_step_flat: fp32 grads, 8-bit moments (blockwise, 256 per scale)
   ours 8bit bf16 g+out  bf16 gradients in, bf16 copy of the parameters out, 8-bit moments
   bnb AdamW8bit     bitsandbytes.optim.AdamW8bit on the CPU, when installed (the same maps
-                    and block size; torchao's AdamW8bit keeps plain tensors on the CPU)
+                    and block size)
+  torchao AdamW8bit torchao.optim.AdamW8bit on the CPU, when installed (the same maps and
+                    block size; its step is torch.compile'd)
 
 Every buffer is on transparent huge pages where the kernel grants them (madvise; the run
 prints how many), for the roofline loops and the contenders alike.
@@ -29,7 +31,7 @@ not what an implementation happens to move: fp32 states 28 B (read p, g, m, v 16
 write p, m, v 12 B); bf16 grads + bf16 out 28 B (g is 2 B, the extra output 2 B); bf16
 moments 20 B; bf16 grads, moments and output 20 B; 8-bit moments 16.03 B (p 8, g 4, codes
 2 + 2, scales 2 x 2 x 4 / 256), also with bf16 grads + bf16 out. Torch and DeepSpeed count as
-fp32, bitsandbytes as 8-bit. The 8-bit rows' "vs roofline" is against "roofline 8bit" (their
+fp32, bitsandbytes and torchao as 8-bit. The 8-bit rows' "vs roofline" is against "roofline 8bit" (their
 own mix of streams), the others' against "roofline". "vs limit per round" is the same
 ratio taken inside each round, against that round's limit, with the median over rounds. Where
 the machine's bandwidth changes from moment to moment, a ratio of medians can pair one
@@ -87,6 +89,7 @@ BYTES = {
     "ours 8bit": 16 + 16 / 256,
     "ours 8bit bf16 g+out": 16 + 16 / 256,
     "bnb AdamW8bit": 16 + 16 / 256,
+    "torchao AdamW8bit": 16 + 16 / 256,
 }
 
 
@@ -120,6 +123,19 @@ def _load_bnb() -> tuple[Optional[type], str]:
         AdamW8bit([probe], lr=LR).step()
         return AdamW8bit, ""
     except Exception as exc:  # missing, or no CPU backend in this version
+        return None, peer_reason(exc)
+
+
+def _load_torchao() -> tuple[Optional[type], str]:
+    """torchao's AdamW8bit, or None and the reason it cannot run on the CPU here."""
+    try:
+        from torchao.optim import AdamW8bit
+
+        probe = torch.nn.Parameter(torch.zeros(4096))  # torchao quantises from 4096 elements
+        probe.grad = torch.zeros(4096)
+        AdamW8bit([probe], lr=LR).step()  # compiles its step on first use
+        return AdamW8bit, ""
+    except Exception as exc:  # missing, or no CPU path in this version
         return None, peer_reason(exc)
 
 
@@ -191,7 +207,8 @@ class Buffers:
 
 
 def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type],
-                    bnb_cls: Optional[type] = None) -> dict[str, Callable[[], float]]:
+                    bnb_cls: Optional[type] = None,
+                    torchao_cls: Optional[type] = None) -> dict[str, Callable[[], float]]:
     n = buf.p.numel()
     param = torch.nn.Parameter(buf.p, requires_grad=True)
     param.grad = buf.g
@@ -253,6 +270,10 @@ def make_contenders(buf: Buffers, threads: int, ds_cls: Optional[type],
         # Its own 8-bit state (2 B/param): created by the warm-up step, outside the timings.
         bnb = bnb_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         contenders["bnb AdamW8bit"] = lambda: timed(bnb.step)
+    if torchao_cls is not None:
+        # Its own 8-bit state (OptimState8bit, block 256, the same dynamic maps), likewise.
+        tao = torchao_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        contenders["torchao AdamW8bit"] = lambda: timed(tao.step)
     if ds_cls is not None:
         ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
         ds.state[param] = {"step": 0, "exp_avg": buf.m, "exp_avg_sq": buf.v}
@@ -325,6 +346,9 @@ def main() -> None:
     bnb_cls, bnb_reason = _load_bnb()
     if bnb_cls is None:
         print(f"  [bnb AdamW8bit] dropped: {bnb_reason}")
+    torchao_cls, torchao_reason = _load_torchao()
+    if torchao_cls is None:
+        print(f"  [torchao AdamW8bit] dropped: {torchao_reason}")
 
     rows: list[dict] = []
     limits: list[dict] = []
@@ -338,7 +362,8 @@ def main() -> None:
         buf = Buffers(n)
         for threads in threads_list:
             torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP pools
-            contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls, bnb_cls).items()}
+            contenders = {k: settle(f) for k, f in make_contenders(buf, threads, ds_cls, bnb_cls,
+                                                                         torchao_cls).items()}
             for fn in contenders.values():
                 fn()  # warm-up: thread pools started, code and TLB warm
             samples = interleave(contenders, repeats, desc=f"adam {size_m:g}M params, {threads} threads")
@@ -381,6 +406,8 @@ def main() -> None:
     missing = {"DeepSpeedCPUAdam": ds_reason} if ds_reason else {}
     if bnb_reason:
         missing["bnb AdamW8bit"] = bnb_reason
+    if torchao_reason:
+        missing["torchao AdamW8bit"] = torchao_reason
     ratio_peers = {"vs roofline": "roofline", "vs DeepSpeed": "DeepSpeedCPUAdam",
                    "vs torch fused": "torch fused"}
     huge = huge_page_bytes()

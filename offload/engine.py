@@ -166,6 +166,7 @@ class Engine:
             optimizer_states=built.optimizer_states, nvme=self.nvme, scaler=self.policy.scaler,
             counters=self.policy.counters, schedule=self.policy.schedule, placement=built.placement,
             state_dict_index=built.state_dict_index, buffer_dtypes=built.buffer_dtypes,
+            units_chosen=built.units_chosen,
         )
         self.unit_hooks = UnitHooks(model, self.units, self.gather, self.backward_tracker, self.policy,
                                     self.grads, self.timeline, self.device, self.dtype, activations)

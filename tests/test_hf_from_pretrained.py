@@ -237,6 +237,44 @@ def test_base_checkpoint_into_a_head_model_and_back_and_lora(dirs, world_size):
         assert torch.equal(r["logits"], ref(input_ids=_batch()).logits)  # B = 0: the base model
 
 
+# -- requires_grad, as transformers' from_pretrained leaves it -----------------------------------
+
+
+def test_a_parameter_the_constructor_froze_is_trainable_once_loaded_as_transformers_makes_it(tmp_path):
+    """Whisper's encoder freezes `embed_positions` in its constructor; transformers'
+    from_pretrained replaces every loaded parameter with a trainable one. Loaded into
+    shards, the flags equal transformers' name by name, and the engine trains it."""
+    import transformers
+
+    from offload.integrations.hf import from_pretrained
+
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8,
+        max_source_positions=8, max_target_positions=16, decoder_start_token_id=1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    built = transformers.WhisperForConditionalGeneration(cfg)
+    frozen = "model.encoder.embed_positions.weight"
+    assert not dict(built.named_parameters())[frozen].requires_grad  # the constructor's flag
+    built.save_pretrained(tmp_path)
+    want = {n: p.requires_grad for n, p in
+            transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path).named_parameters()}
+    assert want[frozen]  # transformers' load makes it trainable
+    model = from_pretrained(str(tmp_path), transformers.WhisperForConditionalGeneration)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == want
+    engine = offload.initialize(model, make_config())
+    try:
+        before = engine.full_state_dict()[frozen]
+        features = torch.randn(2, 8, 16)
+        labels = torch.randint(3, 64, (2, 5))
+        engine.backward(engine(input_features=features, labels=labels).loss)
+        engine.step()
+        assert not torch.equal(engine.full_state_dict()[frozen], before)  # trained, as under transformers
+    finally:
+        engine.close()
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from tests.conftest import run_distributed
 from tests.parity import Fp32Bound
 from tests.test_hf_trainer import CLIP, LR, VOCAB, tiny_model, token_data
 
@@ -116,10 +117,11 @@ def dpo_run(variant: str, outdir: str, reference_shift: float = 0.0) -> dict[str
         t = OffloadDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=preference_data(), processing_class=tokenizer(),
                               offload_config={"compute_device": "cpu"})
         t.train()
-        assert t.engine.global_steps == t.state.global_step == 4
+        assert t.engine.global_steps == t.state.global_step == 4 // t.args.world_size
         assert t.ref_engine is not None and t.ref_model is ref
         assert not any(p.requires_grad for p in ref.parameters())
-        out = {"weights": t.engine.full_state_dict(), "reference": t.ref_engine.full_state_dict()}
+        out = {"weights": t.engine.full_state_dict(rank0_only=False),
+               "reference": t.ref_engine.full_state_dict(rank0_only=False)}
         t.engine.close()
         t.ref_engine.close()
         return out
@@ -140,6 +142,22 @@ def test_dpo_trainer_with_the_mixin_matches_plain_trl(tmp_path) -> None:
     # serving stale or wrong shards would do) lands far outside the bound.
     worst, _, _ = bound.worst(dpo_run("plain", str(tmp_path / "control"), reference_shift=1e-3)["weights"])
     assert worst > 100, f"the DPO negative control is only {worst:.3g}x the bound"
+
+
+def _dpo_ws2(rank: int, world_size: int) -> dict[str, Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return {v: dpo_run(v, f"{d}/{v}") for v in ("truth", *FP32_VARIANTS, "offload")}
+
+
+def test_dpo_trainer_with_the_mixin_matches_plain_trl_world_size_2() -> None:
+    """Two processes (gloo; plain TRL under DDP): the policy's and the reference's engines
+    gather over the same ranks, one after the other, in the same order on each."""
+    for rank, runs in enumerate(run_distributed(_dpo_ws2, 2, init_group=False)):
+        check({v: r["weights"] for v, r in runs.items()}, f"TRL DPOTrainer + OffloadTrainerMixin, ws2 rank {rank}")
+        start = tiny_model("llama").state_dict()
+        assert all(torch.equal(v, start[k]) for k, v in runs["offload"]["reference"].items())
 
 
 def test_sync_ref_model_is_refused_by_name(tmp_path) -> None:

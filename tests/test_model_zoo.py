@@ -302,6 +302,9 @@ def run_arch(name: str, rank: int, world_size: int, src: str, out: str) -> dict[
             logging.getLogger("offload").removeHandler(handler)
         assert not warned, (name, warned)  # no key unused, none missing
         assert all(p.is_meta for p in model.parameters()), name  # the values can only come from the files
+        # requires_grad as transformers' from_pretrained leaves it, name by name
+        want = {n: p.requires_grad for n, p in auto(name).from_pretrained(src).named_parameters()}
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == want, name
     else:
         with pytest.raises(NotImplementedError, match=r"checkpoint key '.*experts\.0\..*' needs "
                            r"transformers' weight converter"):

@@ -296,6 +296,17 @@ def test_deepspeed_optimizer_device_none_keeps_the_state_on_the_device():
         assert cfg.offload.optimizer_tier == "device", param
         assert cfg.offload.param_tier == param
     assert _ds({"device": "none"}).offload.optimizer_tier == "device"  # said explicitly
+    # and the DeepSpeed look-alike engine says so, and trains with the state on the device
+    import offload.compat.deepspeed as deepspeed
+
+    ds_cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "none"}}}
+    model = _seeded()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    assert engine.zero_offload_optimizer() is False and engine.zero_offload_param() is True
+    assert all(st.on_device for st in engine.engine.states)
+    engine.engine.close()
     plain = _ds()  # no offload section at all: the CPU optimizer, with a note saying how
     assert plain.offload.optimizer_tier == "cpu"
     assert any("offload_optimizer.device to 'none'" in n for n in plain.notes)
@@ -427,3 +438,32 @@ def test_nvme_beside_the_device_trains_and_checkpoints_across_splits(tmp_path):
         c.close()
     finally:
         del SPLITS["nvme_mixed"]
+
+
+def _save_ws2(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    e = offload.initialize(TinyGPT(), config("mixed"))
+    for x, y in gpt_batches(4):
+        n = x.shape[0] // world_size
+        e.backward(e(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
+        e.step()
+    e.save_checkpoint(path)
+    sd = e.full_state_dict()
+    e.close()
+    return sd
+
+
+def test_a_world_size_2_checkpoint_of_a_split_reshards_into_any_split(tmp_path):
+    """Saved at world size 2 with the root and blocks.0 on the device, loaded at world size 1
+    with every unit on the device and with none: both hold the same weights as the saver and
+    the same optimizer state as each other, bit for bit."""
+    weights = run_distributed(_save_ws2, 2, str(tmp_path))[0]
+    states = []
+    for split in ("device", "cpu"):
+        e = offload.initialize(_seeded(), config(split))
+        e.load_checkpoint(str(tmp_path))
+        got = e.full_state_dict()
+        assert all(torch.equal(got[k], weights[k]) for k in weights), split
+        states.append(_states(e))
+        e.close()
+    _assert_same(states[0], states[1], "ws2 checkpoint loaded with every unit on the device and with none")

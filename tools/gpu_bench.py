@@ -239,7 +239,9 @@ def planner_figure(meta_model, cfg, device: torch.device, param_tier: str, optim
     machine = make_machine(gpus=1 if device.type == "cuda" else 0, gpu_mem=gpu_mem,
                            cpu_mem=host_mem_available(), nvme_free=None if cfg.offload.nvme_path is None
                            else _free(cfg.offload.nvme_path))
-    est = plan(meta_model, machine=machine, config=cfg).estimate(param_tier, optimizer_tier)
+    # optimizer_tier "device": every unit's state on the device, counted by the (param, cpu) row
+    est = plan(meta_model, machine=machine, config=cfg).estimate(
+        param_tier, "cpu" if optimizer_tier == "device" else optimizer_tier)
     return est.per_rank.as_dict()
 
 

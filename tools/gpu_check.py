@@ -218,6 +218,18 @@ def _split(r: dict[str, Any]) -> str:
     return f"{sp['device_units']}/{sp['units']}" if isinstance(sp, dict) else "-"
 
 
+def update_share(stats: Any) -> str:
+    """The optimizer update's share of the last step (the engine's timeline figures): on a
+    model that leaves no GPU memory for optimizer state the update runs on the CPU and is
+    what bounds the step."""
+    if not isinstance(stats, dict) or not stats.get("step_s"):
+        return ""
+    step, upd = stats["step_s"], stats.get("optimizer_s", 0.0)
+    return (f"update {upd:.3f} s of the last step's {step:.3f} s ({100 * upd / step:.1f} %): "
+            f"{stats.get('optimizer_in_backward_s', 0.0):.3f} s under backward, "
+            f"{stats.get('optimizer_wait_s', 0.0):.3f} s waited for in step()")
+
+
 def table(results: dict[str, Any]) -> str:
     lines = []
     ph = results["phases"]
@@ -262,6 +274,10 @@ def table(results: dict[str, Any]) -> str:
                          f"{_gib(plan.get('device')):>8} {_gib(plan.get('host')):>9} "
                          f"{_gib(r.get('gpu_peak_allocated_bytes')):>8} {_split(r):>7} "
                          f"{_f((r.get('split') or {}).get('predicted_step_ms')):>8}")
+            share = update_share(r.get("last_step_stats"))
+            if share:
+                moments = (data.get("placement") or [None])[0] if name == "scale" else None
+                lines.append(f"    {share}" + (f" ({moments} moments)" if moments else ""))
         lines.append(f"  GPU max reserved {_gib(rows.get('_gpu_max_reserved_bytes'))} GiB, "
                      f"host RSS {_gib(rows.get('_host_rss_bytes'))} GiB")
         if name == "scale" and "model_tflops" in rows:

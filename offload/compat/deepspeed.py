@@ -387,7 +387,8 @@ class DeepSpeedEngine:
         return TierKind.of(self.config.offload.param_tier) is not TierKind.DEVICE
 
     def zero_offload_optimizer(self) -> bool:
-        return True
+        """False only with every unit's optimizer state on the GPU (offload_optimizer.device 'none')."""
+        return self.config.offload.optimizer_tier != "device"
 
     # -- data ---------------------------------------------------------------------------
 

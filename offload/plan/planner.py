@@ -38,7 +38,7 @@ from offload.plan.profile import MachineProfile, this_machine_cached
 from offload.plan.shapes import ModelShape, shape_from_model
 from offload.plan.step_time import StepPrediction, StepSettings, predict_step
 from offload.plan.update_split import (NOMINAL_CPU_ELEMS_PER_S, NOMINAL_DEVICE_ELEMS_PER_S, DeviceSplit,
-                                       SplitRates, nominal_compute_s, split_for_plan)
+                                       SplitRates, split_compute_s, split_for_plan)
 from offload.plan.tier_bytes import (
     TierBytes,
     disk_bytes_per_step,
@@ -148,7 +148,8 @@ class Plan:
     device_split: Optional[DeviceSplit] = None
     """On a GPU, with no split in the config: how many units' optimizer state the recommended
     placement puts on the GPU (offload/plan/update_split.py)."""
-    split_rates_measured: bool = False
+    split_basis: str = ""
+    """Where the split's rates and compute came from, in words."""
     recompute_frees_bytes: int = 0
     """Activation bytes per rank that `activation_checkpointing` would free (0: it is on, or no shape)."""
     units_more_with_recompute: int = 0
@@ -218,18 +219,20 @@ class Plan:
              "from the shape, counted in work/rank); ")
             + "'work' is the engine's gathered parameters and gradient "
             "buffers during forward/backward (estimate); 'pinned' is the NVMe staging budget; "
-            "host/node includes it.",
+            + ("host/node includes it." if m.gpus_per_node else "host/node includes it and every rank's work; "
+               "no GPU: the compute device is host memory, the 'device' tier's bytes are in host/rank."),
             "",
         ]
         timed = any(e.predicted is not None for e in self.estimates)
-        head = ["params", "optimizer", f"{gpu_word}/rank", "work/rank", "host/rank", "pinned/rank",
-                "nvme/rank", "host/node", "nvme/node", "disk/step"]
+        head = ["params", "optimizer", *([f"{gpu_word}/rank"] if m.gpus_per_node else []), "work/rank", "host/rank",
+                "pinned/rank", "nvme/rank", "host/node", "nvme/node", "disk/step"]
         head += ["step", "tokens/s", "bound by"] if timed else []
         head += ["fits"]
         rows = []
         for e in self.estimates:
-            sizes = (e.per_rank.device, e.working_device_bytes, e.per_rank.host, e.per_rank.pinned,
-                     e.per_rank.nvme, e.per_node.host_total, e.per_node.nvme, e.disk_bytes_per_step)
+            gpu, r, n = m.gpus_per_node, e.per_rank, e.per_node  # no GPU: device bytes are host bytes (_problems)
+            sizes = ((r.device,) if gpu else ()) + (e.working_device_bytes, r.host + (0 if gpu else r.device), r.pinned, r.nvme,
+                     n.host_total + (0 if gpu else n.device + e.working_device_bytes * m.local_ranks), n.nvme, e.disk_bytes_per_step)
             times = []
             if timed:
                 pr = e.predicted
@@ -266,7 +269,7 @@ class Plan:
         text = (f"update split: the first {d.units} unit(s)' optimizer state on the GPU "
                 f"({format_size(d.bytes)} of {format_size(d.room_bytes)} left), step ~{d.step_s:.3g} s "
                 f"vs {d.all_cpu_step_s:.3g} s with every update on the CPU "
-                f"({'measured' if self.split_rates_measured else 'nominal'} rates)")
+                f"({self.split_basis})")
         if self.recompute_frees_bytes:
             text += (f"; activation recompute (activation_checkpointing) would free "
                      f"{format_size(self.recompute_frees_bytes)} per rank"
@@ -425,19 +428,19 @@ def plan(
     frees = 0
     if shape is not None and not shape.recompute:
         frees = int((shape.activation_elems() - replace(shape, recompute=True).activation_elems()) * p_bytes)
-    device_split, more = None, 0
+    device_split, more, basis = None, 0, ""
     if best is not None and on_gpu and not on_device:
         room = (machine.gpu_mem_bytes or 0) - machine.gpu_reserve_bytes - best.per_rank.device \
             - best.working_device_bytes
+        compute_s, basis = split_compute_s(best.predicted.backward_s if best.predicted else None, shape,
+                                           spec.params, cfg.logging.tokens_per_step)
         rates = SplitRates(cpu_elems_per_s=profile.optimizer_rate(moments) if profile else NOMINAL_CPU_ELEMS_PER_S,
-                           device_elems_per_s=NOMINAL_DEVICE_ELEMS_PER_S,
-                           compute_s=best.predicted.backward_s if best.predicted else
-                           nominal_compute_s(shape.params, shape.tokens) if shape is not None else 0.0,
+                           device_elems_per_s=NOMINAL_DEVICE_ELEMS_PER_S, compute_s=compute_s,
                            measured=profile is not None)
         device_split, more = split_for_plan(spec, best.param_tier, room, p_bytes, ws, rates, frees)
     return Plan(spec.params, spec.trainable_params, dtype, moments, machine, tuple(estimates),
                 best, reason, hints, budget, split, split_disk, activation_bytes,
-                None if shape is None else shape.source, device_split, profile is not None, frees, more)
+                None if shape is None else shape.source, device_split, basis, frees, more)
 
 
 def _on_disk(*tiers: str) -> bool:

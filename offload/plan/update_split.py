@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 __all__ = ["SplitRates", "DeviceSplit", "choose_device_split", "split_for_plan", "unit_split_sizes",
-           "NOMINAL_CPU_ELEMS_PER_S", "NOMINAL_DEVICE_ELEMS_PER_S", "NOMINAL_DEVICE_FLOPS", "nominal_compute_s"]
+           "NOMINAL_CPU_ELEMS_PER_S", "NOMINAL_DEVICE_ELEMS_PER_S", "NOMINAL_DEVICE_FLOPS", "nominal_compute_s",
+           "split_compute_s", "ASSUMED_TOKENS"]
 
 NOMINAL_CPU_ELEMS_PER_S = 5e9
 """Elements/s of the CPU Adam on a 16-core host at memory bandwidth (~28-30 B per element:
@@ -37,6 +38,24 @@ half of an H100's 3.35 TB/s), when no profile measured it."""
 NOMINAL_DEVICE_FLOPS = 4e14
 """bf16 FLOP/s a current data-centre GPU sustains on a transformer's matmuls (about 40 % of an
 H100's dense peak), for the compute time when no profile measured it."""
+
+
+ASSUMED_TOKENS = 8 * 1024
+"""Tokens per step the split assumes when neither a model shape nor `logging.tokens_per_step`
+says (8 sequences of 1024): the compute the CPU updates overlap grows with them."""
+
+
+def split_compute_s(predicted_s: Optional[float], shape: Any, params: int,
+                    tokens: Optional[int]) -> tuple[float, str]:
+    """The compute the rule weighs, and in words where it comes from: the step-time model's
+    (a profile and a shape), else the shape's tokens, else `tokens` (the config's
+    `logging.tokens_per_step`), else `ASSUMED_TOKENS`, at `NOMINAL_DEVICE_FLOPS`."""
+    if predicted_s is not None:
+        return predicted_s, "measured rates, the step-time model's compute"
+    if shape is not None:
+        return nominal_compute_s(shape.params, shape.tokens), f"nominal rates, {shape.tokens} tokens per step"
+    n = tokens or ASSUMED_TOKENS
+    return nominal_compute_s(params, n), f"nominal rates, {n} tokens per step{'' if tokens else ' assumed'}"
 
 
 def nominal_compute_s(params: int, tokens: int) -> float:

@@ -45,6 +45,7 @@ from offload.optim.sharded import (
     transient_grad_shards,
 )
 from offload.runtime.buffers import check_keep_in_fp32, place_buffers
+from offload.runtime.schedule import bounded_by_model
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.nvme import NVMeContext
@@ -61,7 +62,7 @@ from offload.storage.split_states import SplitOptimizerStates
 from offload.storage.split_tier import SplitTier
 from offload.units.collectives import ProcessGroupInfo, all_reduce_host
 from offload.units.full_buffers import FullBuffers
-from offload.units.partition import ParamRecord, UnitPlan, is_leaf_module, plan_units
+from offload.units.partition import ParamRecord, UnitPlan, describe_units, is_leaf_module, plan_units
 from offload.units.shard import FROZEN_GROUP, PARAM_ALIGN_ELEMS, FlatUnit, UnitLayout, layout_unit
 
 __all__ = ["Built", "build"]
@@ -93,6 +94,8 @@ class Built:
     buffer_dtypes: dict[int, torch.dtype]
     placement: Placement
     """Per unit: whether its parameter shard and its optimizer state are on NVMe."""
+    units_chosen: str
+    """What the unit policy chose, in words (`describe_units`), for the initialize line."""
 
 
 def build(
@@ -134,7 +137,7 @@ def build(
         param_groups=opt_groups, decoupled_weight_decay=kind.decoupled, kind=kind,
         transient_grads=transient_grad_shards(config, runtime().has_streams(device)),
         state_dict_index=_index_state_dict(model, units), buffer_dtypes=buffer_dtypes,
-        placement=tiers.placement,
+        placement=tiers.placement, units_chosen=describe_units(plans),
     )
 
 
@@ -151,7 +154,7 @@ def warn_one_big_unit(plans: list[UnitPlan], unit_modules: Sequence[str], leaf_m
     if 2 * sizes[big] <= total or is_leaf_module(plans[big].module, leaf_modules):
         return
     name = plans[big].name or "the root (parameters outside every unit)"
-    chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (each nn.ModuleList's blocks)"
+    chosen = f"unit_modules {list(unit_modules)}" if unit_modules else "the default unit policy (the model's repeated blocks)"
     message = (
         f"one unit, {name}, holds {sizes[big]:,} of the model's {total:,} parameters "
         f"({100 * sizes[big] / total:.0f} %) under {chosen}: it is gathered whole on the "
@@ -373,8 +376,9 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     transient = transient_grad_shards(config, runtime().has_streams(device))
     # [Note: reused full buffers] in offload/units/full_buffers.py: kept up to what can be
     # live at once anyway (two units, what prefetch reads ahead and what it keeps gathered)
-    largest = max((lay.padded_numel for _, lay, _ in planned), default=0) * dtype.itemsize
-    budget = 2 * largest + config.prefetch.prefetch_bytes + config.prefetch.keep_bytes
+    fulls = [lay.padded_numel * dtype.itemsize for _, lay, _ in planned]
+    largest = max(fulls, default=0)
+    budget = 2 * largest + config.prefetch.prefetch_bytes + bounded_by_model(config.prefetch.keep_bytes, fulls)
     full_buffers = FullBuffers(budget) if pg.world_size == 1 and device.type == "cpu" else None
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)

@@ -103,6 +103,8 @@ class ShardedState:
     placement: "Placement"
     """Per unit, the tier kind of its parameter shard and of its optimizer state (what
     `initialize` built: offload/storage/placement.py)."""
+    units_chosen: str = ""
+    """What the unit policy chose, in words (`offload.units.partition.describe_units`)."""
     state_dict_index: list[StateDictEntry] = field(default_factory=list)
     """For each key of `module.state_dict()`, in order: what holds its value."""
     buffer_dtypes: dict[int, torch.dtype] = field(default_factory=dict)

@@ -32,6 +32,9 @@ gives, bit for bit, for the weights it loads:
   `from_pretrained(dir, dtype=torch.float32)`'s weights; `dtype=torch.bfloat16` on an fp32
   checkpoint rounds the values to bf16 first, as transformers does;
 - tied weights are one parameter, read under the name the checkpoint has;
+- `requires_grad`: a parameter read from the checkpoint is trainable (floating point), as
+  transformers makes every loaded parameter, even one the model's constructor froze
+  (Whisper's `embed_positions`); one the checkpoint lacks keeps the constructor's flag;
 - checkpoint keys the model does not use are named in one warning (less the model's
   `_keys_to_ignore_on_load_unexpected`); a parameter of the base model that the checkpoint
   lacks is a `ValueError` naming it (transformers warns and trains it from random values,
@@ -112,6 +115,7 @@ def from_pretrained(path: str, model_class: Any = None, *, dtype: Any = "auto",
         model.config.name_or_path = reader.path
         _load_generation_config(model, reader.path, transformers)
         param_keys = _match_and_load_buffers(model, reader, ignore_mismatched_sizes, allow_missing)
+        _trainable_as_transformers_loads(model, param_keys)
         source = RenamedSource(reader, param_keys)
     except BaseException:
         reader.close()
@@ -233,6 +237,16 @@ def _match_and_load_buffers(model: PreTrainedModel, reader: SafetensorsDir,
 
     _warn(model, reader.path, unexpected, [k for k in missing if k not in reinit], mismatched, allow_missing)
     return key_of  # the buffers' keys were taken out above: parameters only
+
+
+def _trainable_as_transformers_loads(model: nn.Module, loaded: dict[str, str]) -> None:
+    """`requires_grad` as transformers' `from_pretrained` leaves it: every parameter it reads
+    from the checkpoint is a new `nn.Parameter`, trainable when floating point, whatever the
+    model's constructor set (Whisper's encoder freezes `embed_positions`; loaded, it trains);
+    a parameter the checkpoint lacks keeps the constructor's flag."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in loaded:
+            p.requires_grad_(p.is_floating_point())
 
 
 def _warn(model: nn.Module, path: str, unexpected: list[str], missing: list[str],
