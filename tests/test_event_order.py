@@ -262,6 +262,15 @@ def test_bit_identical_to_the_serial_path_with_random_delays(dtype, tier):
     assert _same(train(cfg(worker="off", dtype=dtype, param_tier=tier), rec), serial) == []
 
 
+def test_a_step_at_step_waits_for_every_gradient_coming_down():
+    """The first step updates at step(): it reads every gradient shard once its copy down landed
+    (each held back well past the step's start here), and forgets the events after."""
+    serial = train(cfg(worker="off"), None, steps=1)
+    rec = Recorder(delay=0.2, jitter=False)
+    assert _same(train(cfg(worker="off"), rec, steps=1), serial) == []
+    assert sum(w.what.startswith("event d2h") for w in rec.host_waits) >= 3
+
+
 def _ws2(rank: int, world_size: int, recorded_run: bool) -> dict:
     rec = Recorder(delay=0.01, worker_delay=0.01, seed=rank) if recorded_run else None
     sd = train(cfg(worker="on" if recorded_run else "off"), rec, rank=rank, world_size=world_size)

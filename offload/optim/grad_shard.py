@@ -157,11 +157,12 @@ class GradShard:
         `keep_event`, `arrived` is forgotten: what follows is ordered after the device's
         work so far, not after the unit's own (the step's updates at `engine.step()`)."""
         ready, self.ready = self.ready, None
+        if ready is not None:
+            runtime().synchronize(ready)
         if not keep_event:
             self.arrived = None
         elif ready is not None:
             self.arrived = ready
-            runtime().synchronize(ready)
 
     def averaged(self) -> None:
         """UNAVERAGED -> SUMMED: the replicas' average was applied to it."""
