@@ -94,6 +94,10 @@ RATIO_LEGEND = ("ratios: every 'vs X' column is X's time / ours (= our rate / X'
 def peer_reason(exc: BaseException) -> str:
     """Why a peer could not run here, in one short line ("deepspeed not installed (pip install
     deepspeed)" rather than a traceback's last line)."""
+    from benchmarks.peer_ops import PeerNotReady
+
+    if isinstance(exc, PeerNotReady):
+        return str(exc)
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         top = exc.name.split(".")[0]
         return f"{top} not installed (pip install {top})"

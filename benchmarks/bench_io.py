@@ -121,11 +121,11 @@ class DeepSpeedPeer:
             builder = AsyncIOBuilder()
             if not builder.is_compatible(verbose=False):
                 raise RuntimeError("AsyncIOBuilder is not compatible here (libaio-dev missing?)")
-            from benchmarks.peer_ops import prepare
+            from benchmarks.peer_ops import PeerNotReady, prepare
 
             why = prepare("async_io")  # built, announced, or dropped with the reason ([Note: peer builds])
             if why is not None:
-                raise RuntimeError(why)
+                raise PeerNotReady(why)
             self.module = builder.load(verbose=False)
         except Exception as exc:  # any failure drops the peer, with the reason printed
             self.error = peer_reason(exc)

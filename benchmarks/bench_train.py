@@ -352,7 +352,7 @@ def build_contenders(args, make_model, batch, device,
 
         import deepspeed
 
-        from benchmarks.peer_ops import prepare
+        from benchmarks.peer_ops import PeerNotReady, prepare
 
         # The ops this contender builds on first use ([Note: peer builds]): its optimizer, the
         # CPU collectives, and the AIO op for NVMe. Dropped with the reason, or announced.
@@ -360,7 +360,7 @@ def build_contenders(args, make_model, batch, device,
         for op in ops:
             why = prepare(op)
             if why is not None:
-                raise RuntimeError(why)
+                raise PeerNotReady(why)
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
         _ensure_group(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

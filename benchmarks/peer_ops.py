@@ -43,6 +43,11 @@ SKIP_ENV = "OFFLOAD_BENCH_PEER_BUILDS"
 BUILD_HINT = "python -m benchmarks --build-peers (with the same --out) builds them once"
 
 
+class PeerNotReady(RuntimeError):
+    """A peer's op is not built (and may not be built now) or is locked: its message is the
+    whole reason, printed as it is (`benchmarks._common.peer_reason`)."""
+
+
 def extensions_root() -> Path:
     """The folder torch builds extensions in: `TORCH_EXTENSIONS_DIR`, else torch's default
     (`cpp_extension._get_build_directory`'s rule, without creating anything)."""

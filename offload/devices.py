@@ -65,7 +65,7 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 #   staging buffer to the device, once nothing reads the old values: in backward, after the
 #   event its gradient came down after (`GradShard.arrived`, queued after the unit's own
 #   backward and reduce), so unit k's upload overlaps the later units' backward; at `step()`
-#   after the compute stream's work so far. The compute stream waits on it at
+#   after the compute stream's work so far (the user's own work since backward may read it). The compute stream waits on it at
 #   `settle_uploads` (before the next forward, a checkpoint, a state dict); a staging buffer
 #   (two, one per update in flight) is reused once its upload's event has passed.
 # - `StreamPurpose.ACTIVATIONS` (runtime/activations.py): activation checkpoints to host
@@ -74,7 +74,9 @@ def same_device(a: DeviceLike, b: DeviceLike) -> bool:
 # Host waits (each one there is; tests/test_event_order.py checks the schedule on the CPU):
 # - none on autograd's thread during backward with the worker: it queues kernels and copies
 #   and hands each unit to the worker (the update on it, and a blocking copy, are the
-#   serial path: `prefetch.optimizer_worker: off`).
+#   serial path: `prefetch.optimizer_worker: off`). At world size > 1 the ranks' agreement
+#   on a unit's gradients is issued there and read back by the worker before the update
+#   (`all_reduce_host_later`).
 # - the worker, on a unit's gradient event before its update (it reads the host shard), and
 #   on a staging buffer's upload two units back (two buffers bound the copies in flight).
 # - `engine.step()` joins the worker (`StepPolicy.settle`): the norm it reports, the

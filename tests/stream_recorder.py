@@ -93,10 +93,11 @@ def _done() -> "Future[None]":
 
 class Recorder:
     """A `DeviceRuntime` for tests (see the module docstring). `delay`: the largest random
-    real delay (s) before each side-stream op; `worker_delay`: before each handed-over job."""
+    real delay (s) before each side-stream op; `worker_delay`: before each handed-over job;
+    without `jitter`, exactly those (a negative control that must not depend on the load)."""
 
-    def __init__(self, delay: float = 0.0, worker_delay: float = 0.0, seed: int = 0) -> None:
-        self.delay, self.worker_delay = delay, worker_delay
+    def __init__(self, delay: float = 0.0, worker_delay: float = 0.0, seed: int = 0, jitter: bool = True) -> None:
+        self.delay, self.worker_delay, self.jitter = delay, worker_delay, jitter
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._seq = 0
@@ -156,7 +157,7 @@ class Recorder:
                     body()
             else:
                 deps = [w.future for w in waits] + ([prev.future] if prev else [])
-                delay = self._rng.uniform(0.0, self.delay) if self.delay else 0.0
+                delay = (self._rng.uniform(0.0, self.delay) if self.jitter else self.delay) if self.delay else 0.0
 
                 def run() -> None:
                     for d in deps:
@@ -303,7 +304,7 @@ class Recorder:
         if token is None:
             return
         if self.worker_delay and self._thread() != "main":
-            time.sleep(self._rng.uniform(0.5, 1.0) * self.worker_delay)
+            time.sleep((self._rng.uniform(0.5, 1.0) if self.jitter else 1.0) * self.worker_delay)
         with self._lock:
             self._advance(self._thread(), float(token))
 

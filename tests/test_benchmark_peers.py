@@ -57,6 +57,14 @@ def test_a_built_op_is_used_as_it_is(ext_dir, monkeypatch, capsys):
     assert peer_ops.prepare("cpu_lion") is not None
 
 
+def test_a_peer_not_ready_is_reported_by_its_reason_alone():
+    from benchmarks._common import peer_reason
+
+    assert peer_reason(peer_ops.PeerNotReady("DeepSpeed's CPU Adam op not built yet")) == (
+        "DeepSpeed's CPU Adam op not built yet")
+    assert peer_reason(RuntimeError("boom")) == "RuntimeError: boom"  # others keep their type
+
+
 def test_a_build_lock_drops_the_peer_naming_the_lock_instead_of_waiting_on_it(ext_dir):
     lock = ext_dir / "cpu_adam" / "lock"
     lock.parent.mkdir(parents=True)

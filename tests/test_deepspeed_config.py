@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import warnings
 
 import pytest
@@ -207,6 +208,35 @@ def test_ignored_keys_are_reported_once_by_name_with_the_reason():
     assert "zero_optimization.overlap_comm: offload always overlaps communication" in text
     assert reports[0].filename == __file__  # points at the caller, not at offload's internals
     assert config.ignored_keys == ("comet", "flops_profiler", "zero_optimization.overlap_comm")
+
+
+@pytest.mark.parametrize("library", ["transformers.trainer", "accelerate.accelerator", "trl.trainer.dpo_trainer"])
+def test_the_report_names_the_users_call_through_a_library_that_calls_offload(library):
+    # The Trainer translates the config inside `trainer.train()`: the warning named
+    # transformers/trainer.py's line instead of the user's. A function of a module named as
+    # the library's (the frames between the user and offload) stands in for it.
+    ns: dict = {"__name__": library, "translate_deepspeed": translate_deepspeed}
+    exec(compile("def train(ds):\n    return translate_deepspeed(ds, world_size=1)\n",
+                 f"/site-packages/{library.replace('.', '/')}.py", "exec"), ns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        ns["train"](_ds(comet={"enabled": False}))
+    (report,) = [w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
+    assert (report.filename, report.lineno) == (__file__, line)
+
+
+def test_a_users_own_module_between_is_the_call_named():
+    # Negative control: a module that is not a library calling on the user's behalf is the
+    # user's code, and the warning names its line.
+    ns: dict = {"__name__": "my_training_lib", "translate_deepspeed": translate_deepspeed}
+    exec(compile("def train(ds):\n    return translate_deepspeed(ds, world_size=1)\n", "/home/me/my_training_lib.py",
+                 "exec"), ns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ns["train"](_ds(comet={"enabled": False}))
+    (report,) = [w for w in caught if issubclass(w.category, DeepSpeedConfigWarning)]
+    assert (report.filename, report.lineno) == ("/home/me/my_training_lib.py", 2)
 
 
 def test_nothing_to_report_means_no_warning():

@@ -123,14 +123,15 @@ def uploads_waiting_late(rec: Recorder) -> list[str]:
     """Uploads of unit k that wait on something recorded after unit k's reduce."""
     bad, seen = [], 0
     for lo, hi in _steps(rec):
-        for up in [o for o in rec.ops if o.label.startswith("upload") and _in(lo, hi, o.seq)]:
+        # the uploads of updates during backward (the worker's); at step() they follow all compute
+        for up in [o for o in rec.ops if o.label.startswith("upload") and _in(lo, hi, o.seq) and o.thread != "main"]:
             seen += 1
             k = up.label.split()[1]
             reduce = [o for o in rec.ops if o.label == f"d2h {k}" and _in(lo, hi, o.seq)]
             limit = reduce[0].seq if reduce else lo
             late = [w for w in up.waits if w.seq > limit]
             bad += [f"{up.label} waits on {w.label or w.stream} ({w.seq} > {limit})" for w in late]
-    assert seen >= 3 * STEPS, f"only {seen} uploads recorded"
+    assert seen >= 3 * (STEPS - 1), f"only {seen} uploads recorded"
     return bad
 
 
@@ -184,8 +185,38 @@ def test_negative_control_upload_after_all_compute_waits_late(monkeypatch):
         return inner(self, t, unit, src, device, None)  # wait_stream(current): the old wait
 
     monkeypatch.setattr(ShardedOptimizer, "_upload", upload_after_everything)
-    bad = uploads_waiting_late(recorded(worker_delay=0.1))
+    bad = uploads_waiting_late(recorded(worker_delay=0.3, jitter=False))
     assert bad, "the upload waiting on all compute went unnoticed"
+
+
+def _uploads_at_step_after_an_eval_forward() -> tuple[list, int]:
+    """The first step updates at step(); the user runs a forward between backward and step."""
+    rec = Recorder(delay=0.005)
+    with using(rec):
+        torch.manual_seed(0)
+        engine = offload.initialize(TinyGPT(n_layer=3), cfg())
+        _kernels(engine, rec)
+        (x, y), = gpt_batches(1)
+        engine.backward(engine(x, y))
+        with torch.no_grad():
+            engine(x, y)
+        last_fwd = max(o.seq for o in rec.kernels("fwd"))
+        engine.step()
+        engine.close()
+    rec.close()
+    return [o for o in rec.ops if o.label.startswith("upload")], last_fwd
+
+
+def test_an_upload_at_step_waits_for_the_users_work_since_backward():
+    uploads, last_fwd = _uploads_at_step_after_an_eval_forward()
+    assert len(uploads) >= 3 and all(any(w.seq >= last_fwd for w in up.waits) for up in uploads)
+
+
+def test_negative_control_an_upload_at_step_after_its_gradient_only_is_caught(monkeypatch):
+    inner = GradShard.wait_arrived
+    monkeypatch.setattr(GradShard, "wait_arrived", lambda self, keep_event=True: inner(self))
+    uploads, last_fwd = _uploads_at_step_after_an_eval_forward()
+    assert uploads and not all(any(w.seq >= last_fwd for w in up.waits) for up in uploads)
 
 
 def test_an_update_overlaps_a_later_units_backward():
@@ -245,12 +276,36 @@ def test_bit_identical_at_world_size_2():
         assert _same(on[r], off[r]) == []
 
 
+def _ws2_blocks(rank: int, world_size: int, flags_at_once: bool) -> list[str]:
+    if flags_at_once:  # the ranks' agreement on a unit read back on autograd's thread
+        import offload.runtime.optimizer_step as step_module
+        from offload.units.collectives import all_reduce_host
+
+        def at_once(t, op, pg, device):
+            out = all_reduce_host(t, op, pg, device)
+            return lambda: out
+
+        step_module.all_reduce_host_later = at_once
+    rec = Recorder(delay=0.005, seed=rank)
+    train(cfg(), rec, rank=rank, world_size=world_size)
+    return launch_thread_blocks(rec)
+
+
+def test_at_world_size_2_autograds_thread_never_blocks_during_backward():
+    assert run_distributed(_ws2_blocks, 2, False) == [[], []]
+
+
+def test_negative_control_the_ranks_agreement_read_at_once_blocks_it():
+    out = run_distributed(_ws2_blocks, 2, True)
+    assert all(any("blocking copy" in b for b in r) for r in out), out
+
+
 def test_negative_control_a_worker_that_does_not_wait_for_its_gradient_differs(monkeypatch):
     serial = train(cfg(worker="off"), None)
 
-    def no_wait(self: GradShard) -> None:
+    def no_wait(self: GradShard, keep_event: bool = True) -> None:
         self.arrived, self.ready = self.ready, None  # forgets to wait for the copy down
 
     monkeypatch.setattr(GradShard, "wait_arrived", no_wait)
-    rec = Recorder(delay=0.05, seed=4)
+    rec = Recorder(delay=0.3, jitter=False)  # every copy down lands well after the update read it
     assert _same(train(cfg(worker="on"), rec), serial), "the missing wait went unnoticed"

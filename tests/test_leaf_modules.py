@@ -252,7 +252,7 @@ def by_rank_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g)) for _ in range(3)]
 
 
-def _by_rank(rank: int, world_size: int, how: str, nonfinite: str) -> dict:
+def _by_rank(rank: int, world_size: int, how: str, nonfinite: str, worker: str = "auto") -> dict:
     import offload.compat.deepspeed as deepspeed
 
     m = ChooseByRank()
@@ -267,6 +267,7 @@ def _by_rank(rank: int, world_size: int, how: str, nonfinite: str) -> dict:
     else:
         cfg = dataclasses.replace(make_config(), optimizer=dataclasses.replace(make_config().optimizer, lr=1e-2),
                                   nonfinite_loss=nonfinite, leaf_modules=(dotted,) if how == "config" else ())
+        cfg = dataclasses.replace(cfg, prefetch=dataclasses.replace(cfg.prefetch, optimizer_worker=worker))
         engine = offload.initialize(m, cfg)
     assert [u.name for u in engine.units] == ([""] if how != "none" else ["", "linears.0", "linears.1"])
     n = 8 // world_size
@@ -294,9 +295,10 @@ def test_the_model_class_as_its_own_leaf_trains_per_rank_routing_as_plain_pytorc
                 f"nonfinite_loss {nonfinite})")
 
 
-@pytest.mark.parametrize("nonfinite", ["off", "skip"])
-def test_ranks_that_reduce_different_units_fail_naming_leaf_modules(nonfinite):
+@pytest.mark.parametrize("nonfinite,worker", [("off", "auto"), ("skip", "auto"), ("off", "on")])
+def test_ranks_that_reduce_different_units_fail_naming_leaf_modules(nonfinite, worker):
     """Without a leaf, rank 0 reduces linears.0 and rank 1 linears.1: same shapes, so the
-    collectives pair silently; caught before any update (in backward, or at step())."""
+    collectives pair silently; caught before any update (in backward, or at step(); on the
+    optimizer worker, which reads the ranks' agreement, before the unit's update)."""
     with pytest.raises(RuntimeError, match="ran different submodules.*leaf_modules"):
-        run_distributed(_by_rank, 2, "none", nonfinite)
+        run_distributed(_by_rank, 2, "none", nonfinite, worker)

@@ -77,6 +77,32 @@ def test_initialize_logs_one_line_saying_what_was_built(caplog):
         assert "optimizer updates during backward" in line
 
 
+def _keep_at_ws2(rank: int, world_size: int, keep_bytes: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyGPT(), {"precision": {"dtype": "bf16"}, "prefetch": {"keep_bytes": keep_bytes}})
+    with engine:
+        model_bytes = sum(0 if u.aliased else u.layout.padded_numel * 2 for u in engine.units)
+        return engine.gather.schedule.keep_bytes, model_bytes
+
+
+def test_a_keep_budget_past_the_model_is_bounded_by_what_the_model_has(caplog):
+    # DeepSpeed's stage3_max_reuse_distance: 1e9 is 1e9 elements = 3.73 GiB of fp32: on a
+    # 28K-parameter model it was reported (and budgeted for reused full buffers) as 3.73 GiB.
+    configured = 4 * 10**9
+    for keep, model_bytes in run_distributed(_keep_at_ws2, 2, configured):
+        assert 0 < model_bytes < 1 << 20 and keep == model_bytes  # each rank's gathered units, in all
+    assert run_distributed(_keep_at_ws2, 2, 1024) == [(1024, model_bytes)] * 2  # within the model: as configured
+    # At world size 1 on the CPU every unit is its own full buffer (aliased): nothing is kept,
+    # and the initialize line says the configured budget was cut.
+    caplog.set_level(logging.INFO, logger="offload")
+    engine, _ = _train({"precision": {"dtype": "bf16"}, "prefetch": {"keep_bytes": configured}}, steps=0)
+    with engine:
+        assert engine.gather.schedule.keep_bytes == 0
+        line = next(r.getMessage() for r in caplog.records
+                    if r.name == REPORT_LOGGER and r.getMessage().startswith("initialized"))
+        assert f"keep 0 bytes (bounded by the model's gathered bytes; configured {format_bytes(configured)})" in line
+
+
 def test_initialize_line_says_why_the_optimizer_runs_at_the_step(caplog):
     caplog.set_level(logging.INFO, logger="offload")
     engine, _ = _train({"gradient_clipping": 1.0}, steps=0)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -494,6 +495,42 @@ def test_cli_gpu_mem_without_gpus_is_an_error(capsys, monkeypatch):
     assert cli_mod.main(["--params", "125M", "--gpus", "0", "--cpu-mem", "16GiB"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory" not in out.split("recommended:")[1]  # a CPU plan never claims GPU memory
+
+
+def _table(text: str) -> tuple[list[str], dict[tuple[str, str], dict[str, str]]]:
+    """The plan's table: its header and {(params, optimizer): {column: cell}}."""
+    lines = text.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("params  optimizer"))
+    head = lines[at].split()
+    rows = {}
+    for line in lines[at + 1:]:
+        if not line.strip():
+            break
+        cells = [c for c in re.split(r"\s{2,}", line.strip())]
+        rows[(cells[0], cells[1])] = dict(zip(head, cells))
+    return head, rows
+
+
+def test_a_cpu_plan_shows_host_memory_for_the_device_tier_and_no_device_column():
+    # On a CPU machine the compute device is host memory: the table showed a "device/rank"
+    # column beside a host/node that left it (and the ranks' work) out, under the figure the
+    # fit is judged on.
+    from offload.plan.machine import format_size
+
+    result = plan(1e9, machine=make_machine(gpus=0, cpu_mem="64GiB", world_size=2), dtype="bf16")
+    head, rows = _table(str(result))
+    assert "device/rank" not in head and "GPU/rank" not in head
+    by = {(e.param_tier, e.optimizer_tier): e for e in result.estimates}
+    for key, e in by.items():
+        node = e.per_node.host_total + e.per_node.device + e.working_device_bytes * result.machine.local_ranks
+        assert rows[key]["host/node"] == format_size(node), key
+        assert rows[key]["host/rank"] == format_size(e.per_rank.host + e.per_rank.device), key
+    assert "the compute device is host memory" in str(result)
+    # negative control: a GPU machine keeps its GPU column, and host/node is host memory only
+    gpu = plan(1e9, machine=make_machine(gpus=1, gpu_mem="80GiB", cpu_mem="64GiB"), dtype="bf16")
+    head, rows = _table(str(gpu))
+    e = next(e for e in gpu.estimates if (e.param_tier, e.optimizer_tier) == ("device", "cpu"))
+    assert "GPU/rank" in head and rows[("device", "cpu")]["host/node"] == format_size(e.per_node.host_total)
 
 
 def test_plan_says_gradient_shards_are_fp32_beside_bytes_per_parameter():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import sys
+import types
 import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any, ClassVar, Iterable, Literal, Mapping, Optional, Self, Union
@@ -59,6 +61,28 @@ class ConfigError(ValueError):
 
 class ConfigTypeError(ConfigError, TypeError):
     """A configuration value of the wrong type (also a `TypeError`)."""
+
+
+# Libraries that call offload on their user's behalf (the Trainer creating its optimizer
+# inside `trainer.train()`): a warning about the user's config names the user's line that
+# led here, not a line of theirs.
+_ON_BEHALF = frozenset({"offload", "transformers", "accelerate", "peft", "trl", "lightning", "pytorch_lightning",
+                        "torch", "deepspeed"})
+
+
+def caller_stacklevel() -> int:
+    """warnings.warn's stacklevel that points at the user's call (to initialize, load_config,
+    `trainer.train()`): the first frame outside this package and outside the libraries that
+    call it for the user (`_ON_BEHALF`), however deep inside we are."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # offload/
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    level = 1
+    while frame is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(package)
+        or str(frame.f_globals.get("__name__", "")).split(".")[0] in _ON_BEHALF
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class DeepSpeedConfigWarning(UserWarning):

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 import warnings
 from typing import Any, Literal, Mapping, Optional
 
 from offload.config.checks import (
     ConfigError,
+    caller_stacklevel,
     DeepSpeedConfigWarning,
     coerce,
     did_you_mean,
@@ -117,17 +117,6 @@ def _world_size_now() -> int:
         return 1
 
 
-def _caller_stacklevel() -> int:
-    """warnings.warn's stacklevel that points at the first frame outside this package (the
-    user's call to initialize / load_config), however deep inside we are."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # offload/
-    frame: Optional[types.FrameType] = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _ds_key_for(key: str, origin: Mapping[str, str]) -> str:
     """The DeepSpeed spelling of one of our keys (`optimizer.betas[0]` ->
     `optimizer.params.betas[0]`), by its longest mapped prefix."""
@@ -188,7 +177,7 @@ def translate_deepspeed(ds: Mapping[str, Any], *, world_size: Optional[int] = No
         if t.notes:
             text += "\nNotes (Config.notes):\n" + "\n".join(f"  {note}" for note in t.notes)
         if _rank_now() == 0:  # one report per run, not one per rank (the ranks' are the same)
-            warnings.warn(text, DeepSpeedConfigWarning, stacklevel=_caller_stacklevel())
+            warnings.warn(text, DeepSpeedConfigWarning, stacklevel=caller_stacklevel())
     return config
 
 

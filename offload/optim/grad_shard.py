@@ -152,10 +152,14 @@ class GradShard:
         self.ready = event
         self.arrived = None  # until it is waited for
 
-    def wait_arrived(self) -> None:
-        """Block until the shard holds its newest reduction on the host."""
+    def wait_arrived(self, keep_event: bool = True) -> None:
+        """Block until the shard holds its newest reduction on the host. Without
+        `keep_event`, `arrived` is forgotten: what follows is ordered after the device's
+        work so far, not after the unit's own (the step's updates at `engine.step()`)."""
         ready, self.ready = self.ready, None
-        if ready is not None:
+        if not keep_event:
+            self.arrived = None
+        elif ready is not None:
             self.arrived = ready
             runtime().synchronize(ready)
 

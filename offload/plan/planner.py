@@ -219,18 +219,20 @@ class Plan:
              "from the shape, counted in work/rank); ")
             + "'work' is the engine's gathered parameters and gradient "
             "buffers during forward/backward (estimate); 'pinned' is the NVMe staging budget; "
-            "host/node includes it.",
+            + ("host/node includes it." if m.gpus_per_node else "host/node includes it and every rank's work; "
+               "no GPU: the compute device is host memory, the 'device' tier's bytes are in host/rank."),
             "",
         ]
         timed = any(e.predicted is not None for e in self.estimates)
-        head = ["params", "optimizer", f"{gpu_word}/rank", "work/rank", "host/rank", "pinned/rank",
-                "nvme/rank", "host/node", "nvme/node", "disk/step"]
+        head = ["params", "optimizer", *([f"{gpu_word}/rank"] if m.gpus_per_node else []), "work/rank", "host/rank",
+                "pinned/rank", "nvme/rank", "host/node", "nvme/node", "disk/step"]
         head += ["step", "tokens/s", "bound by"] if timed else []
         head += ["fits"]
         rows = []
         for e in self.estimates:
-            sizes = (e.per_rank.device, e.working_device_bytes, e.per_rank.host, e.per_rank.pinned,
-                     e.per_rank.nvme, e.per_node.host_total, e.per_node.nvme, e.disk_bytes_per_step)
+            gpu, r, n = m.gpus_per_node, e.per_rank, e.per_node  # no GPU: device bytes are host bytes (_problems)
+            sizes = ((r.device,) if gpu else ()) + (e.working_device_bytes, r.host + (0 if gpu else r.device), r.pinned, r.nvme,
+                     n.host_total + (0 if gpu else n.device + e.working_device_bytes * m.local_ranks), n.nvme, e.disk_bytes_per_step)
             times = []
             if timed:
                 pr = e.predicted

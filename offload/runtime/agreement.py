@@ -50,9 +50,18 @@ def _name(unit: FlatUnit) -> str:
 def agree_on_unit(st: UnitOptimizerState, rank: int, all_reduce: AllReduce) -> None:
     """Before one unit's update in backward: its parameters that got a gradient on any rank,
     and that every rank is at this unit (raises `RoutedApartError` where not)."""
+    take_unit_agreement(st, rank, all_reduce(unit_flags(st), "max"))
+
+
+def unit_flags(st: UnitOptimizerState) -> torch.Tensor:
+    """This rank's side of `agree_on_unit`: the unit's slots that got a gradient here, and
+    the unit's index (twice, so one max shows whether every rank named the same unit)."""
     idx = float(st.unit.index)
-    flags = torch.tensor([*(float(h) for h in st.grad_shard.slot_has), idx, -idx], dtype=torch.float32)
-    flags = all_reduce(flags, "max")
+    return torch.tensor([*(float(h) for h in st.grad_shard.slot_has), idx, -idx], dtype=torch.float32)
+
+
+def take_unit_agreement(st: UnitOptimizerState, rank: int, flags: torch.Tensor) -> None:
+    """`agree_on_unit` once the max of every rank's `unit_flags` is in (`flags`)."""
     if int(flags[-2]) != -int(flags[-1]):
         raise RoutedApartError(f"in this backward, rank {rank} reduced unit {_name(st.unit)} while "
                                "another rank reduced a different one")

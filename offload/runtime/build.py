@@ -45,6 +45,7 @@ from offload.optim.sharded import (
     transient_grad_shards,
 )
 from offload.runtime.buffers import check_keep_in_fp32, place_buffers
+from offload.runtime.schedule import bounded_by_model
 from offload.runtime.view import Location, StateDictEntry
 from offload.sizes import align_up
 from offload.storage.nvme import NVMeContext
@@ -375,8 +376,9 @@ def _build_units(model: nn.Module, config: Config, pg: ProcessGroupInfo, device:
     transient = transient_grad_shards(config, runtime().has_streams(device))
     # [Note: reused full buffers] in offload/units/full_buffers.py: kept up to what can be
     # live at once anyway (two units, what prefetch reads ahead and what it keeps gathered)
-    largest = max((lay.padded_numel for _, lay, _ in planned), default=0) * dtype.itemsize
-    budget = 2 * largest + config.prefetch.prefetch_bytes + config.prefetch.keep_bytes
+    fulls = [lay.padded_numel * dtype.itemsize for _, lay, _ in planned]
+    largest = max(fulls, default=0)
+    budget = 2 * largest + config.prefetch.prefetch_bytes + bounded_by_model(config.prefetch.keep_bytes, fulls)
     full_buffers = FullBuffers(budget) if pg.world_size == 1 and device.type == "cpu" else None
     for index, (plan, layout, recs) in enumerate(planned):
         param_tier = tiers.unit_tier(index)

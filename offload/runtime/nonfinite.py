@@ -21,13 +21,13 @@ gradient then reaches the weights, as in a plain loop.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from offload.config.sections import Config
 
-__all__ = ["LostWindow", "may_update_in_backward", "nonfinite_units"]
+__all__ = ["LostWindow", "may_update_in_backward", "nonfinite_units", "sum_of_squares"]
 
 
 def may_update_in_backward(config: Config) -> bool:
@@ -74,3 +74,13 @@ class LostWindow:
                 "micro-batches, which cannot be taken back exactly; nothing was applied. Call "
                 "engine.zero_grad() to discard the window's gradients, then run its micro-batches "
                 "again (or go on with the next ones)")
+
+
+def sum_of_squares(st: Any) -> Optional[torch.Tensor]:
+    """A unit's gradient sum of squares over its optimized elements, as a float64 tensor
+    (the dot in fp32, as clipping always took it), or None when it holds none this step."""
+    # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
+    if not st.grad_shard.has_gradient or st.optimized_numel == 0:
+        return None
+    g = st.grad[: st.optimized_numel]
+    return torch.dot(g, g).double()

@@ -65,21 +65,21 @@ import enum
 import logging
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from offload.device_runtime import runtime
-from offload.runtime.agreement import agree_on_step, agree_on_unit
+from offload.runtime.agreement import agree_on_step, agree_on_unit, take_unit_agreement, unit_flags
 from offload.runtime.loss_scaler import LossScaler
-from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units
+from offload.runtime.nonfinite import LostWindow, may_update_in_backward, nonfinite_units, sum_of_squares
 from offload.runtime.optimizer_worker import OptimizerWorker, uses_worker
 from offload.runtime.step_scale import Outcome, StepScale, needs_norm, step_scale
 from offload.runtime.timeline import Timeline, now
 from offload.runtime.update_mode import (Eligibility, Pattern, Site, learn, observed, second_pass_message,
                                          site_of_updates)
 from offload.runtime.view import Schedule, StepCounters
-from offload.units.collectives import ProcessGroupInfo, all_reduce_host
+from offload.units.collectives import ProcessGroupInfo, all_reduce_host, all_reduce_host_later
 from offload.units.hybrid import average_shard_across_replicas
 from offload.units.shard import FlatUnit
 from offload.config.sections import Config
@@ -309,7 +309,7 @@ class StepPolicy:
         part-applied), or None. Called before anything reads or writes what an update touches."""
         err = self.worker.settle() if self.worker is not None else None
         for st in self.states:  # gradients still coming down (a backward without updates)
-            st.grad_shard.wait_arrived()
+            st.grad_shard.wait_arrived(keep_event=False)  # later uploads follow all compute
         self.optimizer.settle_uploads()
         return err
 
@@ -325,29 +325,39 @@ class StepPolicy:
         reduces units in the same order)."""
         st = self.states[unit.index]
         tl = self.timeline
+        agreed: Optional[Callable[[], None]] = None
         if self.pg.world_size > 1:
             # Which parameters got a gradient on any rank (the step's sync_has_grad, for this
-            # unit now): every rank reduces units in the same order, so this matches.
+            # unit now), and that every rank is at this unit: every rank issues it in the same
+            # order. With the worker, the flags come down asynchronously and the worker reads
+            # them before the update: no host wait on autograd's thread.
             t0 = now()
-            agree_on_unit(st, self.pg.rank, self._all_reduce)  # and that every rank is at this unit
+            if self.worker is None:
+                agree_on_unit(st, self.pg.rank, self._all_reduce)
+            else:
+                flags = all_reduce_host_later(unit_flags(st), "max", self.pg, self.device)
+                agreed = lambda: take_unit_agreement(st, self.pg.rank, flags())  # noqa: E731
             tl.count("collective", now() - t0)
         if self._hyper_at_backward is None:
             self._hyper_at_backward = self._hyperparameters()
         if self.worker is None:
             self._update_unit(unit, st)
         else:
-            self.worker.submit(lambda: self._update_unit(unit, st))
+            self.worker.submit(lambda: self._update_unit(unit, st, agreed))
         self.updated.add(unit.index)
         self.pass_updates += 1
 
-    def _update_unit(self, unit: FlatUnit, st: Any) -> None:
-        """One unit's update during backward (on the worker, or autograd's thread)."""
+    def _update_unit(self, unit: FlatUnit, st: Any, agreed: Optional[Callable[[], None]] = None) -> None:
+        """One unit's update during backward (on the worker, or autograd's thread), after the
+        ranks' agreement on its gradients where that is still coming (`agreed`)."""
         tl = self.timeline
+        if agreed is not None:
+            agreed()
         st.grad_shard.wait_arrived()  # its gradient shard may still be coming down from the GPU
         io0 = self._io_wait()
         t0 = now()
         with runtime().host_work(f"adam {unit.index}"):
-            sq = _sum_of_squares(st)  # the shard is final; after the update it may be gone
+            sq = sum_of_squares(st)  # the shard is final; after the update it may be gone
             if sq is not None:
                 self._sum_sq[unit.index] = sq
             updated = self.optimizer.update_unit(
@@ -476,13 +486,13 @@ class StepPolicy:
         for st in self.states:
             part = self._sum_sq.get(st.unit.index)
             if part is None:
-                part = _sum_of_squares(st)
+                part = sum_of_squares(st)
             if part is not None:
                 sq += part.to(sq.device)  # a device unit's sum stays on the device until here
         return math.sqrt(self._all_reduce(sq, "sum").item()) * unscale
 
     def _nonfinite_units(self) -> str:
-        return nonfinite_units([_sum_of_squares(st) for st in self.states], [st.unit.name for st in self.states],
+        return nonfinite_units([sum_of_squares(st) for st in self.states], [st.unit.name for st in self.states],
                                lambda flags: self._all_reduce(flags, "max") if self.pg.world_size > 1 else flags)
 
     # -- what the user asks of this step's gradients -----------------------------------------
@@ -579,13 +589,3 @@ class StepPolicy:
 
     def _io_wait(self) -> float:
         return self.nvme.stats.wait_s if self.nvme is not None else 0.0
-
-
-def _sum_of_squares(st: Any) -> Optional[torch.Tensor]:
-    """A unit's gradient sum of squares over its optimized elements, as a float64 tensor
-    (the dot in fp32, as clipping always took it), or None when it holds none this step."""
-    # A unit no micro-batch reached holds an earlier step's gradient: not this one's.
-    if not st.grad_shard.has_gradient or st.optimized_numel == 0:
-        return None
-    g = st.grad[: st.optimized_numel]
-    return torch.dot(g, g).double()

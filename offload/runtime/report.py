@@ -43,6 +43,7 @@ from offload.optim.sharded import ShardedOptimizer
 from offload.runtime.accounting import memory_bytes
 from offload.runtime.collective_traffic import CollectiveMeter, collective_text
 from offload.runtime.monitors import Monitor, open_monitors
+from offload.runtime.schedule import bounded_by_model
 from offload.runtime.swap_traffic import SwapMeter, WearEstimate, swap_text, wear_estimate
 from offload.runtime.timeline import StepStats
 from offload.runtime.view import ShardedState
@@ -210,7 +211,7 @@ class StepReporter:
             _rank_tag(s), len(s.units), s.units_chosen, format_count(params), s.pg.world.world_size,
             str(s.dtype).replace("torch.", ""), s.device, c.offload.param_tier, moments,
             _state_tier_text(s), _memory_text(memory_bytes(s)),
-            format_bytes(c.prefetch.prefetch_bytes), format_bytes(c.prefetch.keep_bytes),
+            format_bytes(c.prefetch.prefetch_bytes), _keep_text(s),
             _optimizer_placement(c, s.dtype), _optimizer_threads(s.optimizer, c.cpu_adam_threads),
             "".join(f" | {m.name} monitor: {m.where}" for m in self.monitors))
         if self.wear is not None:
@@ -343,6 +344,16 @@ def _optimizer_placement(config: Config, dtype: torch.dtype) -> str:
     if dtype == torch.float16:
         return "step in engine.step() (fp16's overflow check needs every gradient first)"
     return "updates during backward (prefetch.optimizer_in_backward)"
+
+
+def _keep_text(s: ShardedState) -> str:
+    """The keep budget as the engine uses it: bounded by the bytes the model has gathered in
+    all (`schedule.bounded_by_model`), the configured value beside a budget it cut."""
+    fulls = [0 if u.aliased else u.layout.padded_numel * s.dtype.itemsize for u in s.units]
+    requested = s.config.prefetch.keep_bytes
+    used = bounded_by_model(requested, fulls)
+    return format_bytes(used) + (f" (bounded by the model's gathered bytes; configured {format_bytes(requested)})"
+                                 if used < requested else "")
 
 
 def _state_tier_text(s: ShardedState) -> str:

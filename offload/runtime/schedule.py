@@ -45,6 +45,13 @@ class Phase(str, Enum):
 Use = tuple[int, Phase]
 
 
+
+def bounded_by_model(requested_bytes: int, full_bytes: Sequence[int]) -> int:
+    """The keep budget bounded by what the model has gathered in all (the sum of
+    its units' full bytes): DeepSpeed's `stage3_max_reuse_distance: 1e9` is 4 GB of fp32
+    elements, which on a small model must neither be reported nor reserved as 4 GB."""
+    return max(0, min(int(requested_bytes), sum(int(b) for b in full_bytes)))
+
 class Schedule:
     """Trace, cursor and budgets; pure bookkeeping (no tensors, no I/O).
 
@@ -61,7 +68,7 @@ class Schedule:
     ) -> None:
         self.full_bytes = [int(b) for b in full_bytes]
         self.prefetch_bytes = int(prefetch_bytes)
-        self.keep_bytes = int(keep_bytes)
+        self.keep_bytes = bounded_by_model(keep_bytes, self.full_bytes)
         self.pinned = frozenset(pinned)
         self._traces: dict[Hashable, list[Use]] = {}
         self._keep: dict[Hashable, frozenset[int]] = {}

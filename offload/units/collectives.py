@@ -20,11 +20,12 @@ import os
 import pickle
 import re
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from offload.device_runtime import runtime
 from offload.units.groups import ProcessGroupInfo, uses_nccl
 
 # torchrun (and `torch.distributed.launch`) export these; with all of them present we can
@@ -443,12 +444,34 @@ def all_reduce_host(t: torch.Tensor, op: str, pg: ProcessGroupInfo, compute_devi
     # A "max" is agreement (a flag any rank raises), so it spans every rank; a "sum" adds the
     # parts of one sharded value, which live within the group the units shard over (HSDP's
     # replicas hold the same parts: summing over them too would count each once per group).
+    return all_reduce_host_later(t, op, pg, compute_device, blocking=True)()
+
+
+def all_reduce_host_later(t: torch.Tensor, op: str, pg: ProcessGroupInfo, compute_device: torch.device,
+                          blocking: bool = False) -> Callable[[], torch.Tensor]:
+    """`all_reduce_host`, read later: the collective is issued now (every rank issues its
+    collectives in one order), and the function returned waits for the result on the host
+    and returns it. Where the collective runs on a device's stream (NCCL), nothing here
+    waits for the device: the result comes down asynchronously (unless `blocking`)."""
     group = pg.world if op == "max" else pg
     if group.world_size == 1:
-        return t
+        return lambda: t
     x = t.to(collective_device(group, compute_device))
     (all_reduce_max_ if op == "max" else all_reduce_sum_)(x, group)
-    return x.cpu()
+    rt = runtime()
+    if not rt.has_streams(x.device):
+        return lambda: x  # a host collective: complete
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=torch.cuda.is_available())
+    rt.copy(host, x, non_blocking=not blocking)
+    if blocking:
+        return lambda: host
+    event = rt.record(rt.current_stream(x.device), "host all-reduce")
+
+    def read() -> torch.Tensor:
+        rt.synchronize(event)
+        return host
+
+    return read
 
 
 def resolve_device(name: str) -> torch.device:
