@@ -30,10 +30,12 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 def machine_info(disk_path: Optional[str] = None) -> dict[str, Any]:
     """CPU, cores, memory and (optionally) the filesystem a benchmark writes to."""
+    from offload.plan.profile import cpu_model  # the planner's profile names the CPU the same way
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores_usable": len(os.sched_getaffinity(0)),
     }
     try:
@@ -62,16 +64,6 @@ def machine_info(disk_path: Optional[str] = None) -> dict[str, Any]:
         info["filesystem"] = _filesystem_of(disk_path)
     return info
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _filesystem_of(path: str) -> str:

@@ -28,6 +28,7 @@ from offload.units.partition import describe_units, plan_units
 from tests.conftest import run_distributed
 from tests.parity import Fp32Bound, plain_loop
 from tests.test_engine import LR, WD, make_config
+from tests.test_reused_units import train_engine as train_shares
 
 DIM, VOCAB, SEQ, LAYERS, STEPS = 16, 32, 8, 3, 4
 
@@ -208,13 +209,7 @@ def test_the_initialize_line_says_what_was_chosen(caplog) -> None:
 def train_engine(kind: str, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     engine = offload.initialize(MODELS[kind](), make_config())
     assert len(engine.units) == 1 + LAYERS
-    for x, y in token_batches():
-        n = x.shape[0] // world_size
-        engine.backward(engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]))
-        engine.step()
-    sd = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
-    engine.close()
-    return sd
+    return train_shares(engine, rank, world_size, token_batches())
 
 
 def _ws2(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -228,7 +228,9 @@ def _all_figures(p: MachineProfile) -> list[Figure]:
 # --------------------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what `platform` knows): part of the
+    profile's fingerprint, and the benchmarks' machine line."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -264,7 +266,7 @@ def hardware_text(nvme_path: Optional[str] = None) -> str:
         except OSError:
             disk = f"nvme_path {nvme_path} (missing)"
     torch_v = ".".join(torch.__version__.split(".")[:2])
-    return f"{_cpu_model()}, {cores} cores, {_mem_total_gib()} GiB, {gpus}, torch {torch_v}, {disk}"
+    return f"{cpu_model()}, {cores} cores, {_mem_total_gib()} GiB, {gpus}, torch {torch_v}, {disk}"
 
 
 def fingerprint(nvme_path: Optional[str] = None) -> str:
