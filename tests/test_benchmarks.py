@@ -306,8 +306,14 @@ def _bench_train(tmp_path, name, *args, env=None):
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train.py"), "--quick", "--no-fsdp2",
            "--no-deepspeed", "--no-lora", "--repeats", "2", "--peak-mb", "64", "--json", str(out), *args]
-    run = run_python(cmd[1:], cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # bench_train predicts each contender's step from the machine profile, which it measures and caches
+    # when none is cached: the test's own cache folder, never the user's (~/.cache/offload), where a
+    # profile measured on a busy test machine would feed the user's later plans and step reports.
+    cache = tmp_path / "cache"
+    run = run_python(cmd[1:], cwd=ROOT, timeout=300,
+                     env={**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(cache), **(env or {})})
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "--no-predict" in args or (cache / "offload" / "machine_profile.json").exists()
     return json.loads(out.read_text()), run.stdout
 
 
